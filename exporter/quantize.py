@@ -1,0 +1,77 @@
+"""Symmetric INT4 quantization and the `CimInt4MatMul` attribute format (the contract).
+
+For a weight ``W`` of shape ``[K, N]`` (``y = x @ W``) and group size ``g``:
+
+* ``groups = ceil(K / g)``, ``K_padded = groups * g``; K is padded with zeros.
+* Per output channel ``n`` and group ``j`` over ``k in [j*g, (j+1)*g)``:
+  ``scale = max|w| / 8``; ``q = clamp(round(w / scale), -8, 7)`` (round half to even,
+  as NumPy); an all-zero group has ``scale = 0`` and ``q = 0``.
+* ``packed``: uint8 ``[N, K_padded / 2]``. Row ``n`` holds channel ``n`` along K; element
+  ``k`` is in byte ``k // 2``, **even k in the low nibble**, odd k in the high nibble,
+  stored as the code ``q + 8`` (0..15). Padding elements are code 8 (q = 0).
+* ``scales``: float32 ``[N, groups]``, row-major.
+* ``bias`` (optional): float32 ``[N]``.
+
+Dequantized, ``W[k, n] ~= scales[n, k // g] * (code(n, k) - 8)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
+DEFAULT_GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight in attribute form: ``packed`` uint8 [N, K_padded/2], ``scales`` float32 [N, groups]."""
+
+    k: int
+    n: int
+    group_size: int
+    packed: np.ndarray
+    scales: np.ndarray
+
+
+def check_group_size(group_size: int) -> None:
+    """Raise ValueError unless ``group_size`` is one the op accepts."""
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}")
+
+
+def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float ``[K, N]`` weight: returns ``q`` int8 [N, K_padded] in -8..7 and ``scales`` float32 [N, groups]."""
+    check_group_size(group_size)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError("weight has NaN or infinite values")
+    k, n = w.shape
+    groups = -(-k // group_size)
+    wt = np.zeros((n, groups * group_size), dtype=np.float32)
+    wt[:, :k] = w.T
+    blocks = wt.reshape(n, groups, group_size)
+    scales = (np.abs(blocks).max(axis=2) / np.float32(8.0)).astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1.0))[:, :, None]
+    q = np.clip(np.rint(blocks / safe), -8, 7).astype(np.int8)
+    return q.reshape(n, groups * group_size), scales
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """Pack int8 codes ``q`` [N, K_padded] (-8..7, K_padded even) two per byte, even k in the low nibble."""
+    if q.ndim != 2 or q.shape[1] % 2:
+        raise ValueError(f"q must be [N, K_padded] with K_padded even, got shape {q.shape}")
+    if q.size and (q.min() < -8 or q.max() > 7):
+        raise ValueError("q values must lie in -8..7")
+    codes = (q.astype(np.int16) + 8).astype(np.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def quantize_weight(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedWeight:
+    """Quantize and pack a float ``[K, N]`` weight into the attribute format."""
+    q, scales = quantize(np.asarray(w, dtype=np.float32), group_size)
+    k, n = w.shape
+    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=pack(q), scales=scales)

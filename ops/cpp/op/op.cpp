@@ -1,0 +1,394 @@
+// CimInt4MatMul for ONNX Runtime: schema, attribute validation, repack at kernel
+// creation, compute split over ORT's intra-op thread pool. The only exported symbol is
+// RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
+#include <onnxruntime_c_api.h>
+
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/kernel.h"
+#include "kernels/repack.h"
+
+namespace {
+
+// The oldest ORT C API with everything used here (KernelContext_ParallelFor,
+// shape inference callbacks, CreateKernelV2): onnxruntime 1.17.
+constexpr uint32_t kMinOrtApi = 17;
+constexpr const char* kMinOrtRelease = "1.17";
+
+const OrtApi* g_api = nullptr;
+
+// An error that already carries the full message for the user.
+struct OpError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Turns an OrtStatus from the C API into an exception, prefixed with what we were doing.
+void check(OrtStatus* status, const std::string& what) {
+  if (status == nullptr) return;
+  std::string msg = what + ": " + g_api->GetErrorMessage(status);
+  g_api->ReleaseStatus(status);
+  throw OpError(msg);
+}
+
+template <typename Fn>
+OrtStatus* guarded(Fn&& fn) noexcept {
+  try {
+    fn();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return g_api->CreateStatus(ORT_FAIL, e.what());
+  } catch (...) {
+    return g_api->CreateStatus(ORT_FAIL, CIM_OP_TYPE ": unknown C++ exception");
+  }
+}
+
+struct ValueDeleter {
+  void operator()(OrtValue* v) const { g_api->ReleaseValue(v); }
+};
+struct TypeShapeDeleter {
+  void operator()(OrtTensorTypeAndShapeInfo* v) const { g_api->ReleaseTensorTypeAndShapeInfo(v); }
+};
+using ValuePtr = std::unique_ptr<OrtValue, ValueDeleter>;
+using TypeShapePtr = std::unique_ptr<OrtTensorTypeAndShapeInfo, TypeShapeDeleter>;
+
+std::string node_name(const OrtKernelInfo* info) {
+  size_t size = 0;
+  if (OrtStatus* s = g_api->KernelInfo_GetNodeName(info, nullptr, &size)) {
+    g_api->ReleaseStatus(s);
+    return "?";
+  }
+  std::string name(size, '\0');
+  if (OrtStatus* s = g_api->KernelInfo_GetNodeName(info, name.data(), &size)) {
+    g_api->ReleaseStatus(s);
+    return "?";
+  }
+  name.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+  return name;
+}
+
+std::string dims_str(const std::vector<int64_t>& dims) {
+  std::ostringstream s;
+  s << '[';
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
+  s << ']';
+  return s.str();
+}
+
+// Reads the node's attributes for one kernel; every message names node and attribute.
+class AttributeReader {
+ public:
+  AttributeReader(const OrtKernelInfo* info, std::string node) : info_(info), node_(std::move(node)) {
+    check(g_api->GetAllocatorWithDefaultOptions(&allocator_), where() + "getting an allocator");
+  }
+
+  std::string where() const { return std::string(CIM_OP_TYPE " node '") + node_ + "': "; }
+
+  [[noreturn]] void fail(const std::string& msg) const { throw OpError(where() + msg); }
+
+  int64_t required_int(const char* name, const char* expected) const {
+    int64_t value = 0;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info_, name, &value)) {
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is missing or not an int (expected " + expected + ")");
+    }
+    return value;
+  }
+
+  bool has(const char* name) const {
+    // The tensor query is the only one that says "absent" without reading a type we
+    // do not know yet, so probe through it.
+    OrtValue* v = nullptr;
+    OrtStatus* s = g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &v);
+    if (s != nullptr) {
+      g_api->ReleaseStatus(s);
+      return false;
+    }
+    g_api->ReleaseValue(v);
+    return true;
+  }
+
+  // A tensor attribute of the given element type and shape; on mismatch, a message
+  // that states what was found and what was expected.
+  ValuePtr tensor(const char* name, ONNXTensorElementDataType type, const char* type_name,
+                  const std::vector<int64_t>& shape, const char* layout) const {
+    const std::string expected = std::string(type_name) + " tensor " + dims_str(shape) + " (" + layout + ")";
+    OrtValue* raw = nullptr;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &raw)) {
+      std::string why = g_api->GetErrorMessage(s);
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is missing or not a tensor (expected " + expected + "; ORT: " +
+           why + ")");
+    }
+    ValuePtr value(raw);
+    OrtTensorTypeAndShapeInfo* info_raw = nullptr;
+    check(g_api->GetTensorTypeAndShape(value.get(), &info_raw), where() + "reading attribute " + name);
+    TypeShapePtr info(info_raw);
+    ONNXTensorElementDataType got_type;
+    size_t rank = 0;
+    check(g_api->GetTensorElementType(info.get(), &got_type), where() + name);
+    check(g_api->GetDimensionsCount(info.get(), &rank), where() + name);
+    std::vector<int64_t> got(rank);
+    check(g_api->GetDimensions(info.get(), got.data(), rank), where() + name);
+    if (got_type != type) {
+      fail(std::string("attribute '") + name + "' has element type " + std::to_string(int(got_type)) +
+           " (ONNX TensorProto enum), expected " + expected);
+    }
+    if (got != shape) {
+      fail(std::string("attribute '") + name + "' has shape " + dims_str(got) + ", expected " + expected);
+    }
+    return value;
+  }
+
+ private:
+  const OrtKernelInfo* info_;
+  std::string node_;
+  OrtAllocator* allocator_ = nullptr;
+};
+
+template <typename T>
+const T* data_of(OrtValue* v) {
+  void* p = nullptr;
+  check(g_api->GetTensorMutableData(v, &p), "reading attribute data");
+  return static_cast<const T*>(p);
+}
+
+class Kernel {
+ public:
+  explicit Kernel(const OrtKernelInfo* info) : node_(node_name(info)) {
+    AttributeReader attrs(info, node_);
+    const int64_t K = attrs.required_int("K", "int K >= 1, the input's last dimension");
+    const int64_t N = attrs.required_int("N", "int N >= 1, the output's last dimension");
+    int64_t group_size = 32;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, "group_size", &group_size)) {
+      g_api->ReleaseStatus(s);
+      group_size = 32;
+    }
+    if (K < 1) attrs.fail("attribute 'K' is " + std::to_string(K) + ", expected >= 1");
+    if (N < 1) attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected >= 1");
+    if (!cim::is_supported_group_size(group_size)) {
+      attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of 16, 32, 64, 128, 256");
+    }
+    const int64_t groups = (K + group_size - 1) / group_size;
+    ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
+                                   {N, groups * group_size / 2},
+                                   "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
+    ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
+                                   "[N, ceil(K/group_size)]");
+    ValuePtr bias;
+    if (attrs.has("bias")) {
+      bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    }
+    const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
+                                               data_of<float>(scales.get()),
+                                               bias ? data_of<float>(bias.get()) : nullptr);
+    if (!problem.empty()) attrs.fail(problem);
+
+    // CIM_INT4_KERNEL picks an instruction-set path by name; tests use it to run each one.
+    const char* wanted = std::getenv("CIM_INT4_KERNEL");
+    const char* available = nullptr;
+    kernels_ = cim::select_kernels(wanted, &available);
+    if (kernels_ == nullptr) {
+      attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
+                 available + " (or auto)");
+    }
+  }
+
+  void compute(OrtKernelContext* context) const {
+    const cim::PackedWeights& w = storage_.weights();
+    const OrtValue* input = nullptr;
+    check(g_api->KernelContext_GetInput(context, 0, &input), where() + "reading input A");
+    OrtTensorTypeAndShapeInfo* info_raw = nullptr;
+    check(g_api->GetTensorTypeAndShape(input, &info_raw), where() + "reading input A");
+    TypeShapePtr info(info_raw);
+    ONNXTensorElementDataType type;
+    check(g_api->GetTensorElementType(info.get(), &type), where() + "input A");
+    size_t rank = 0;
+    check(g_api->GetDimensionsCount(info.get(), &rank), where() + "input A");
+    std::vector<int64_t> dims(rank);
+    check(g_api->GetDimensions(info.get(), dims.data(), rank), where() + "input A");
+    if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      throw OpError(where() + "input A must be float32, got ONNX element type " + std::to_string(int(type)));
+    }
+    if (rank < 1 || dims.back() != w.K) {
+      throw OpError(where() + "input A has shape " + dims_str(dims) + ", expected [..., K] with K=" +
+                    std::to_string(w.K));
+    }
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < rank; ++i) M *= dims[i];
+    std::vector<int64_t> out_dims = dims;
+    out_dims.back() = w.N;
+    OrtValue* output = nullptr;
+    check(g_api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &output),
+          where() + "allocating output Y");
+    if (M == 0) return;
+
+    void* a_data = nullptr;
+    // The C API has no const accessor in older releases; A is only read.
+    check(g_api->GetTensorMutableData(const_cast<OrtValue*>(input), &a_data), where() + "input A");
+    void* y_data = nullptr;
+    check(g_api->GetTensorMutableData(output, &y_data), where() + "output Y");
+
+    Job job;
+    job.args.A = static_cast<const float*>(a_data);
+    job.args.M = M;
+    job.args.lda = w.K;
+    job.args.Y = static_cast<float*>(y_data);
+    job.args.ldy = w.N;
+    job.args.W = &w;
+    job.fn = kernels_->matmul;
+    // Blocks of output channels: large enough that a task outweighs its dispatch,
+    // small enough that two or more threads always get work to share.
+    const int64_t work_per_row = w.K * M;
+    job.rows_per_task = work_per_row >= 65536 ? 16 : 64;
+    const int64_t tasks = (w.N + job.rows_per_task - 1) / job.rows_per_task;
+    check(g_api->KernelContext_ParallelFor(context, &Job::run, static_cast<size_t>(tasks), 0, &job),
+          where() + "running on the intra-op thread pool");
+  }
+
+  std::string where() const { return std::string(CIM_OP_TYPE " node '") + node_ + "': "; }
+
+ private:
+  struct Job {
+    cim::MatMulArgs args;
+    cim::MatMulFn fn = nullptr;
+    int64_t rows_per_task = 0;
+    static void run(void* self, size_t task) {
+      const Job& job = *static_cast<const Job*>(self);
+      const int64_t begin = static_cast<int64_t>(task) * job.rows_per_task;
+      const int64_t end = begin + job.rows_per_task < job.args.W->N ? begin + job.rows_per_task : job.args.W->N;
+      job.fn(job.args, begin, end);
+    }
+  };
+
+  std::string node_;
+  cim::PackedStorage storage_;
+  const cim::KernelTable* kernels_ = nullptr;
+};
+
+// Output shape = input shape with the last dimension replaced by N.
+OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
+  return guarded([&] {
+    const OrtOpAttr* attr = nullptr;
+    check(g_api->ShapeInferContext_GetAttribute(ctx, "N", &attr), CIM_OP_TYPE ": attribute 'N'");
+    int64_t N = 0;
+    size_t bytes = 0;
+    check(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &N, sizeof(N), &bytes), CIM_OP_TYPE ": attribute 'N'");
+    const OrtOpAttr* k_attr = nullptr;
+    int64_t K = -1;
+    if (OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, "K", &k_attr)) {
+      g_api->ReleaseStatus(s);
+    } else if (k_attr != nullptr) {
+      check(g_api->ReadOpAttr(k_attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_OP_TYPE ": attribute 'K'");
+    }
+
+    // The context owns this info (ORT's own wrappers never release it): no TypeShapePtr.
+    OrtTensorTypeAndShapeInfo* in = nullptr;
+    check(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &in), CIM_OP_TYPE ": input A");
+    size_t rank = 0;
+    check(g_api->GetDimensionsCount(in, &rank), CIM_OP_TYPE ": input A");
+    if (rank == 0) throw OpError(CIM_OP_TYPE ": input A must have rank >= 1, got a scalar");
+    std::vector<int64_t> dims(rank);
+    check(g_api->GetDimensions(in, dims.data(), rank), CIM_OP_TYPE ": input A");
+    std::vector<const char*> symbols(rank, nullptr);
+    check(g_api->GetSymbolicDimensions(in, symbols.data(), rank), CIM_OP_TYPE ": input A");
+    if (K > 0 && dims.back() >= 0 && dims.back() != K) {
+      throw OpError(std::string(CIM_OP_TYPE ": input A has last dimension ") + std::to_string(dims.back()) +
+                    ", expected K=" + std::to_string(K));
+    }
+    // The symbol strings belong to `in`; copy them before building the output.
+    std::vector<std::string> names(rank);
+    for (size_t i = 0; i < rank; ++i) names[i] = symbols[i] ? symbols[i] : "";
+    names.back() = "";
+    dims.back() = N;
+    std::vector<const char*> out_symbols(rank);
+    for (size_t i = 0; i < rank; ++i) out_symbols[i] = names[i].c_str();
+
+    OrtTensorTypeAndShapeInfo* out_raw = nullptr;
+    check(g_api->CreateTensorTypeAndShapeInfo(&out_raw), CIM_OP_TYPE ": output Y");
+    TypeShapePtr out(out_raw);
+    check(g_api->SetTensorElementType(out.get(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT), CIM_OP_TYPE ": output Y");
+    check(g_api->SetDimensions(out.get(), dims.data(), rank), CIM_OP_TYPE ": output Y");
+    check(g_api->SetSymbolicDimensions(out.get(), out_symbols.data(), rank), CIM_OP_TYPE ": output Y");
+    check(g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out.get()), CIM_OP_TYPE ": output Y");
+  });
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op{};
+  // The struct layout we fill is that of kMinOrtApi; newer ORT reads it as such.
+  op.version = kMinOrtApi;
+  op.GetName = [](const OrtCustomOp*) { return CIM_OP_TYPE; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernel = nullptr;
+  op.KernelCompute = nullptr;
+  op.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+    *kernel = nullptr;
+    return guarded([&] { *kernel = new Kernel(info); });
+  };
+  op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
+    return guarded([&] { static_cast<const Kernel*>(kernel)->compute(context); });
+  };
+  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
+  op.InferOutputShapeFn = &infer_shape;
+  op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
+  return op;
+}
+
+const OrtCustomOp& the_op() {
+  static const OrtCustomOp op = make_op();
+  return op;
+}
+
+// Domains must outlive every session that uses them; ORT keeps raw pointers. One per
+// RegisterCustomOps call, released when the library is unloaded.
+struct DomainDeleter {
+  void operator()(OrtCustomOpDomain* d) const {
+    if (g_api != nullptr) g_api->ReleaseCustomOpDomain(d);
+  }
+};
+std::mutex g_domains_mutex;
+std::vector<std::unique_ptr<OrtCustomOpDomain, DomainDeleter>> g_domains;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(kMinOrtApi);
+  if (api == nullptr) {
+    // API version 1 exists in every release; use it only to report the problem.
+    const OrtApi* v1 = api_base->GetApi(1);
+    std::string msg = std::string("cim-int4 needs onnxruntime >= ") + kMinOrtRelease + " (C API " +
+                      std::to_string(kMinOrtApi) + "); this process runs onnxruntime " +
+                      api_base->GetVersionString();
+    return v1 != nullptr ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
+  }
+  g_api = api;
+  return guarded([&] {
+    OrtCustomOpDomain* raw = nullptr;
+    check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
+    std::unique_ptr<OrtCustomOpDomain, DomainDeleter> domain(raw);
+    check(g_api->CustomOpDomain_Add(domain.get(), &the_op()), "adding " CIM_OP_TYPE);
+    check(g_api->AddCustomOpDomain(options, domain.get()), "registering domain " CIM_OP_DOMAIN);
+    std::lock_guard<std::mutex> lock(g_domains_mutex);
+    g_domains.push_back(std::move(domain));
+  });
+}

@@ -1,0 +1,20 @@
+"""cim-int4: INT4 weight-only quantization for ONNX Runtime on x86 CPUs.
+
+``export_int4`` rewrites a model's MatMul/Gemm nodes into ``CimInt4MatMul``;
+``make_session`` (or ``library_path`` with ``SessionOptions.register_custom_ops_library``)
+runs the result in ONNX Runtime.
+"""
+
+from .exporter import ExportError, NothingToQuantize, export_int4
+from .ops import OP_DOMAIN, OP_TYPE, OP_VERSION, library_path, make_session
+
+__all__ = [
+    "OP_DOMAIN",
+    "OP_TYPE",
+    "OP_VERSION",
+    "ExportError",
+    "NothingToQuantize",
+    "export_int4",
+    "library_path",
+    "make_session",
+]
