@@ -14,8 +14,8 @@ OPSET = 17
 IR_VERSION = 8
 PRODUCER = "cim_int4.graphs"
 
-# Defaults for the outlier input rows planted in weights, mimicking the few hot
-# channels of real LLM weights that dominate per-group INT4 quantization error.
+# Defaults for the outlier columns (output channels) planted in weights, mimicking the
+# few channels of real LLM weights whose magnitude is far above the rest.
 OUTLIER_FRACTION = 0.01
 OUTLIER_SCALE = 10.0
 
@@ -31,15 +31,15 @@ def weight_matrix(
     outlier_fraction: float = OUTLIER_FRACTION,
     outlier_scale: float = OUTLIER_SCALE,
 ) -> np.ndarray:
-    """Return a float32 [k, n] matrix ~ N(0, std) (std defaults to 1/sqrt(k)) with outlier input rows."""
+    """Return a float32 [k, n] matrix ~ N(0, std) (std defaults to 1/sqrt(k)) with outlier columns."""
     std = 1.0 / np.sqrt(k) if std is None else std
     w = rng.standard_normal((k, n), dtype=np.float32)
     w *= np.float32(std)
     if outlier_fraction > 0.0 and outlier_scale != 1.0:
-        # At least one row, so small test shapes still carry an outlier.
-        count = min(k, max(1, round(outlier_fraction * k)))
-        rows = rng.choice(k, size=count, replace=False)
-        w[rows] *= np.float32(outlier_scale)
+        # At least one column, so small test shapes still carry an outlier.
+        count = min(n, max(1, round(outlier_fraction * n)))
+        cols = rng.choice(n, size=count, replace=False)
+        w[:, cols] *= np.float32(outlier_scale)
     return w
 
 

@@ -3,6 +3,7 @@
 // RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
 #include <onnxruntime_c_api.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -303,9 +304,17 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
                     ", expected K=" + std::to_string(K));
     }
     // The symbol strings belong to `in`; copy them before building the output.
+    // ORT turns a dimension with neither a value nor a symbol into the value -1 (and
+    // then warns at run time that -1 != the real size); a fresh symbol keeps it unknown.
+    static std::atomic<uint64_t> unknown_count{0};
     std::vector<std::string> names(rank);
-    for (size_t i = 0; i < rank; ++i) names[i] = symbols[i] ? symbols[i] : "";
-    names.back() = "";
+    for (size_t i = 0; i + 1 < rank; ++i) {
+      if (symbols[i] != nullptr && symbols[i][0] != '\0') {
+        names[i] = symbols[i];
+      } else if (dims[i] < 0) {
+        names[i] = "cim_int4_unk_" + std::to_string(unknown_count.fetch_add(1));
+      }
+    }
     dims.back() = N;
     std::vector<const char*> out_symbols(rank);
     for (size_t i = 0; i < rank; ++i) out_symbols[i] = names[i].c_str();

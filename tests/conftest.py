@@ -1,0 +1,127 @@
+"""Shared helpers of the cim-int4 tests: one-node CimInt4MatMul models, kernel discovery, error bounds."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import onnx
+import pytest
+from cim_int4 import make_session
+from cim_int4.exporter import QuantizedWeight, quantize_weight
+from cim_int4.ops import reference
+from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from onnx import TensorProto, helper, numpy_helper
+
+KERNEL_ENV = "CIM_INT4_KERNEL"
+# Unit roundoff of float32 (round to nearest).
+U32 = 2.0**-24
+
+Dim = int | str
+
+
+def op_attributes(
+    qw: QuantizedWeight, bias: np.ndarray | None = None, **overrides: object
+) -> dict[str, object]:
+    """Node attributes of a CimInt4MatMul for ``qw``; ``overrides`` replace (or, with None, drop) entries."""
+    attrs: dict[str, object] = {
+        "K": qw.k,
+        "N": qw.n,
+        "group_size": qw.group_size,
+        "packed": numpy_helper.from_array(qw.packed, "packed"),
+        "scales": numpy_helper.from_array(qw.scales, "scales"),
+    }
+    if bias is not None:
+        attrs["bias"] = numpy_helper.from_array(np.asarray(bias, dtype=np.float32), "bias")
+    for name, value in overrides.items():
+        if value is None:
+            attrs.pop(name, None)
+        elif isinstance(value, np.ndarray):
+            attrs[name] = numpy_helper.from_array(value, name)
+        else:
+            attrs[name] = value
+    return attrs
+
+
+def op_model(attrs: dict[str, object], input_shapes: Sequence[Sequence[Dim] | None]) -> onnx.ModelProto:
+    """A model with one CimInt4MatMul node per input shape, all sharing ``attrs``: inputs A0.., outputs Y0.."""
+    nodes, inputs, outputs = [], [], []
+    for i, shape in enumerate(input_shapes):
+        nodes.append(helper.make_node(OP_TYPE, [f"A{i}"], [f"Y{i}"], name=f"op{i}", domain=OP_DOMAIN, **attrs))
+        inputs.append(helper.make_tensor_value_info(f"A{i}", TensorProto.FLOAT, None if shape is None else list(shape)))
+        # Output shape left unset: what the session reports comes from the op's shape inference.
+        outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "cim_int4_op_test", inputs, outputs)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)],
+        ir_version=8,
+    )
+
+
+def random_weight(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
+    """A float32 [k, n] weight ~ N(0, 1) with one outlier input row, so group scales differ a lot."""
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    w[rng.integers(k)] *= np.float32(10.0)
+    return w
+
+
+def quantized(k: int, n: int, group_size: int = 32, seed: int = 0) -> QuantizedWeight:
+    """A random [k, n] weight in attribute form."""
+    return quantize_weight(random_weight(np.random.default_rng(seed), k, n), group_size)
+
+
+def op_bound(a: np.ndarray, qw: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+    """Elementwise worst-case |y_fp32 - y_exact| of the op: Higham's dot-product bound plus the bias addition.
+
+    With s the computed dot product, |s - s*| <= e (reference.error_bound); adding the bias
+    rounds once more: |fl(s + b) - (s* + b)| <= e + u * (|s* + b| + e).
+    """
+    e = reference.error_bound(a, qw.packed, qw.scales, qw.k, qw.group_size)
+    if bias is None:
+        return e
+    exact = reference.matmul(a, qw.packed, qw.scales, qw.k, qw.group_size, bias)
+    return e + U32 * (np.abs(exact) + e)
+
+
+def _kernel_probe_model() -> onnx.ModelProto:
+    return op_model(op_attributes(quantized(16, 1, 16)), [[1, 16]])
+
+
+@functools.lru_cache(maxsize=1)
+def available_kernels() -> tuple[str, ...]:
+    """Names of the kernel paths the op library runs on this CPU, read from its error for CIM_INT4_KERNEL=bogus."""
+    old = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = "bogus"
+    try:
+        make_session(_kernel_probe_model(), threads=1)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception classes
+        message = str(e)
+    else:
+        raise AssertionError(f"{KERNEL_ENV}=bogus was accepted; the op must refuse unknown kernel names")
+    finally:
+        if old is None:
+            os.environ.pop(KERNEL_ENV, None)
+        else:
+            os.environ[KERNEL_ENV] = old
+    match = re.search(r"available: ([\w, ]+)", message)
+    assert match, f"no 'available: ...' list in the error for {KERNEL_ENV}=bogus: {message}"
+    names = tuple(name.strip() for name in match.group(1).split(",") if name.strip())
+    assert "portable" in names, f"the portable kernel must always be available, got {names}"
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _restore_affinity() -> Iterator[None]:
+    # make_session pins the calling thread to one CPU; give later tests the CPUs back.
+    cpus = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, cpus)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
