@@ -62,11 +62,15 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not p.is_file():
         raise ExportError(f"{p}: no such file")
     try:
-        return onnx.load(str(p))
+        model = onnx.load(str(p))
     except (DecodeError, ValueError, RuntimeError) as e:
         raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from e
     except OSError as e:
         raise ExportError(f"{p}: cannot read ({e})") from e
+    # Protobuf parses an empty file, and some short text files, as an empty message.
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise ExportError(f"{p}: not an ONNX model (no IR version or no graph)")
+    return model
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -109,7 +113,7 @@ def export_int4(
     min_size: int = 0,
     quiet: bool = False,
 ) -> onnx.ModelProto:
-    """Quantize every eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
+    """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that is the input, ValueError for a bad option.

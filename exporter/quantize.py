@@ -43,7 +43,7 @@ def check_group_size(group_size: int) -> None:
 
 
 def quantize(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a float ``[K, N]`` weight: returns ``q`` int8 [N, K_padded] in -8..7 and ``scales`` float32 [N, groups]."""
+    """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in -8..7 and ``scales`` float32 [N, groups]."""
     check_group_size(group_size)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")

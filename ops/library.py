@@ -11,7 +11,7 @@ LIBRARY_ENV = "CIM_INT4_LIBRARY"
 
 
 def library_path() -> str:
-    """Path of the op library for ``SessionOptions.register_custom_ops_library`` (env ``CIM_INT4_LIBRARY`` overrides)."""
+    """Path of the op library for ``SessionOptions.register_custom_ops_library`` (``CIM_INT4_LIBRARY`` overrides)."""
     override = os.environ.get(LIBRARY_ENV)
     if override:
         if not Path(override).is_file():

@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import onnx
 import pytest
-from cim_int4 import make_session
 from cim_int4.exporter import QuantizedWeight, quantize_weight
 from cim_int4.ops import reference
 from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from onnx import TensorProto, helper, numpy_helper
+
+from cim_int4 import make_session
 
 KERNEL_ENV = "CIM_INT4_KERNEL"
 # Unit roundoff of float32 (round to nearest).
@@ -22,11 +23,16 @@ U32 = 2.0**-24
 
 Dim = int | str
 
+# The CPUs this process may use, read before any session pins the calling thread.
+INITIAL_CPUS = frozenset(os.sched_getaffinity(0))
 
-def op_attributes(
-    qw: QuantizedWeight, bias: np.ndarray | None = None, **overrides: object
-) -> dict[str, object]:
-    """Node attributes of a CimInt4MatMul for ``qw``; ``overrides`` replace (or, with None, drop) entries."""
+
+def op_attributes(qw: QuantizedWeight, bias: np.ndarray | None = None, /, **overrides: object) -> dict[str, object]:
+    """Node attributes of a CimInt4MatMul for ``qw`` (and a float32 ``bias``); ``overrides`` replace entries as given.
+
+    An override of None drops the attribute; an ndarray becomes a tensor of its own dtype.
+    ``bias`` is positional-only so that ``bias=...`` can override it with any dtype or shape.
+    """
     attrs: dict[str, object] = {
         "K": qw.k,
         "N": qw.n,
@@ -103,6 +109,7 @@ def available_kernels() -> tuple[str, ...]:
     else:
         raise AssertionError(f"{KERNEL_ENV}=bogus was accepted; the op must refuse unknown kernel names")
     finally:
+        os.sched_setaffinity(0, INITIAL_CPUS)
         if old is None:
             os.environ.pop(KERNEL_ENV, None)
         else:
@@ -116,10 +123,10 @@ def available_kernels() -> tuple[str, ...]:
 
 @pytest.fixture(autouse=True)
 def _restore_affinity() -> Iterator[None]:
-    # make_session pins the calling thread to one CPU; give later tests the CPUs back.
-    cpus = os.sched_getaffinity(0)
+    # make_session pins the calling thread to one CPU; each test starts with all of them.
+    os.sched_setaffinity(0, INITIAL_CPUS)
     yield
-    os.sched_setaffinity(0, cpus)
+    os.sched_setaffinity(0, INITIAL_CPUS)
 
 
 @pytest.fixture

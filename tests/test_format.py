@@ -192,9 +192,11 @@ def test_exported_node_attributes_pinned_byte_for_byte() -> None:
     assert packed.data_type == TensorProto.UINT8 and list(packed.dims) == [2, 16]
     expected_packed = bytes.fromhex(
         # channel 0: codes 0..15 | codes 15, 0, 10, 8 then 12 padding codes 8
-        "1032547698badcfe" + "0f8a888888888888"
+        "1032547698badcfe"
+        + "0f8a888888888888"
         # channel 1: 16 codes 8 | codes 8, 8, 8, 0 then padding
-        + "8888888888888888" + "8808888888888888"
+        + "8888888888888888"
+        + "8808888888888888"
     )
     assert numpy_helper.to_array(packed).tobytes() == expected_packed
 

@@ -54,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="FP32 .onnx file (read, never modified)")
     p.add_argument("-o", "--output", required=True, help="where to write the INT4 model (not the input file)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES)
-    p.add_argument("--exclude", nargs="+", default=[], metavar="NAME_OR_REGEX", help="node names to leave in FP32")
+    p.add_argument(
+        "--exclude",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME_OR_REGEX",
+        help="node names (or regular expressions matching whole names) to leave in FP32; may be repeated",
+    )
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)

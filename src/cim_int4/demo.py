@@ -82,7 +82,8 @@ def run_demo(args: argparse.Namespace) -> int:
     fp32_bytes = sum(r.bytes_before for r in summary.rewritten)
     int4_bytes = sum(r.bytes_after for r in summary.rewritten)
     print(f"   {'case':<24}{'FP32 ORT':>12}{'cim-int4':>12}{'speed-up':>10}{'int4 GB/s':>11}")
-    for label, dims in (("decode (1 token)", {"seq": 1, "M": 1, "batch": 1}), (f"prefill ({args.seq} tokens)", seq_dims)):
+    cases = (("decode (1 token)", {"seq": 1, "M": 1, "batch": 1}), (f"prefill ({args.seq} tokens)", seq_dims))
+    for label, dims in cases:
         x = random_input(fp32, dims, seed=1)
         med = interleaved_medians(
             {"fp32": lambda x=x: fp32_sess.run(None, x), "int4": lambda x=x: int4_sess.run(None, x)}, args.runs
@@ -92,7 +93,8 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{med['fp32'] / med['int4']:>9.2f}x{int4_bytes / med['int4'] / 1e9:>11.2f}"
         )
     print(f"   weights: FP32 {fp32_bytes / 1e6:.1f} MB -> INT4 {int4_bytes / 1e6:.1f} MB (packed + scales)")
-    print(f"   kernel path: {os.environ.get('CIM_INT4_KERNEL', 'auto')}; total demo time {time.perf_counter() - t0:.1f} s")
+    kernel = os.environ.get("CIM_INT4_KERNEL", "auto")
+    print(f"   kernel path: {kernel}; total demo time {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -102,17 +102,32 @@ class AttributeReader {
     return value;
   }
 
+  // Whether the node has attribute `name` of any type. The C API has no direct query,
+  // so ask with each getter; one of them succeeds when the attribute is there.
   bool has(const char* name) const {
-    // The tensor query is the only one that says "absent" without reading a type we
-    // do not know yet, so probe through it.
-    OrtValue* v = nullptr;
-    OrtStatus* s = g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &v);
-    if (s != nullptr) {
+    auto ok = [](OrtStatus* s) {
+      if (s == nullptr) return true;
       g_api->ReleaseStatus(s);
       return false;
-    }
+    };
+    int64_t i = 0;
+    float f = 0;
+    size_t size = 0;
+    if (ok(g_api->KernelInfoGetAttribute_int64(info_, name, &i))) return true;
+    if (ok(g_api->KernelInfoGetAttribute_float(info_, name, &f))) return true;
+    if (ok(g_api->KernelInfoGetAttribute_string(info_, name, nullptr, &size))) return true;
+    if (ok(g_api->KernelInfoGetAttributeArray_float(info_, name, nullptr, &size))) return true;
+    if (ok(g_api->KernelInfoGetAttributeArray_int64(info_, name, nullptr, &size))) return true;
+    OrtValue* v = nullptr;
+    if (!ok(g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &v))) return false;
     g_api->ReleaseValue(v);
     return true;
+  }
+
+  // An optional int attribute: `fallback` when absent, an error when of another type.
+  int64_t optional_int(const char* name, int64_t fallback, const char* expected) const {
+    if (!has(name)) return fallback;
+    return required_int(name, expected);
   }
 
   // A tensor attribute of the given element type and shape; on mismatch, a message
@@ -166,11 +181,7 @@ class Kernel {
     AttributeReader attrs(info, node_);
     const int64_t K = attrs.required_int("K", "int K >= 1, the input's last dimension");
     const int64_t N = attrs.required_int("N", "int N >= 1, the output's last dimension");
-    int64_t group_size = 32;
-    if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, "group_size", &group_size)) {
-      g_api->ReleaseStatus(s);
-      group_size = 32;
-    }
+    const int64_t group_size = attrs.optional_int("group_size", 32, "int, one of 16, 32, 64, 128, 256");
     if (K < 1) attrs.fail("attribute 'K' is " + std::to_string(K) + ", expected >= 1");
     if (N < 1) attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected >= 1");
     if (!cim::is_supported_group_size(group_size)) {
