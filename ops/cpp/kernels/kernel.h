@@ -53,6 +53,13 @@ struct KernelTable {
 // The portable C++ kernel: the scalar oracle beside every SIMD path.
 const KernelTable& portable_kernels();
 
+#if defined(CIM_INT4_X86_KERNELS)
+// x86-64 tables, each in its own translation unit built with its own -m flags. Call
+// them only on a CPU that runs that instruction set: select_kernels() checks.
+const KernelTable& avx2_kernels();    // AVX2 + FMA, FP32 activations
+const KernelTable& avx512_kernels();  // AVX-512 F/BW/VL/DQ + FMA, FP32 activations
+#endif
+
 // The best table this CPU runs, or the one named by `name` ("portable", ...).
 // Returns nullptr for a name that is unknown or that this CPU cannot run; `available`
 // then lists the names it can.

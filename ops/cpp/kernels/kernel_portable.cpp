@@ -20,8 +20,9 @@ void unpack_row(const PackedWeights& w, int64_t n, int8_t* q) {
   }
 }
 
-// Summation order (shared by the SIMD paths): a float dot product per group, scaled,
-// accumulated over groups in order, then the bias.
+// Summation order: a float dot product per group, scaled, accumulated over groups in
+// order, then the bias. The SIMD paths round differently (they scale each weight
+// first); tests hold every path to the same worst-case FP32 bound, not to this order.
 void matmul_portable(const MatMulArgs& args, int64_t n_begin, int64_t n_end) {
   const PackedWeights& w = *args.W;
   std::vector<int8_t> q(static_cast<size_t>(w.groups * w.group_size));
