@@ -88,6 +88,11 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike) -> None:
     if not out.parent.is_dir():
         raise ExportError(f"{out}: folder {out.parent} does not exist")
     external = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    if external:
+        # onnx moves tensors out of the proto it saves; the caller's model must stay whole.
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
@@ -97,6 +102,7 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike) -> None:
             save_as_external_data=external,
             all_tensors_to_one_file=True,
             location=f"{out.name}.data",
+            convert_attribute=True,  # our weights live in node attributes, not initializers
         )
         os.replace(tmp, out)
     except BaseException:
