@@ -4,11 +4,14 @@
 // after CPUID and XCR0 say the CPU and OS run AVX-512, so no AVX-512 instruction is
 // reached on a CPU without it.
 //
-// The packed rows are streamed once per block of A rows; every weight is unpacked,
-// dequantized and multiplied in registers and never written back to memory.
+// Three paths, by the number M of rows of A:
+//   M = 1                 decode: each weight row streamed once, unpacked in registers
+//   1 < M < kPanelMinM    the same per block of 4 rows of A
+//   M >= kPanelMinM       each weight unpacked once per call into a small L1-resident
+//                         panel that FP32 tiles of rows of A share (simd_common.h)
 //
-// Each output is computed by the same sequence of operations whatever block shape the
-// driver picks, so results do not depend on how N is split into tasks, nor on M:
+// Each output is computed by the same sequence of operations whatever the path and block
+// shape, so results do not depend on how N is split into tasks, nor on M:
 //   w_k = table_g[code_k]              table_g[c] = (c - 8) * scale_g, rounded once
 //   acc = fma(a_k, w_k, acc)           16 lanes (lane = k mod 16), k ascending
 //   y   = sum_lanes(acc) (+ bias)      a fixed tree
@@ -26,16 +29,17 @@
 #include <cstring>
 
 #include "kernels/kernel.h"
+#include "kernels/simd_common.h"
 
 namespace cim {
 namespace {
 
 #define CIM_INLINE inline __attribute__((always_inline))
 
-// Register block for M > 1: each decoded weight vector feeds kRowsA rows of A and each
-// A vector kRowsW weight rows. 4 x 4 keeps 16 accumulators, 8 weight vectors, 4 tables
-// and 2 A vectors in the 32 zmm registers. (8 x 2 needs fewer unpacking uops on paper
-// but measured no faster on Sapphire Rapids.)
+// Register block for small prefill: each decoded weight vector feeds kRowsA rows of A
+// and each A vector kRowsW weight rows. 4 x 4 keeps 16 accumulators, 8 weight vectors,
+// 4 tables and 2 A vectors in the 32 zmm registers. (8 x 2 needs fewer unpacking uops
+// on paper but measured no faster on Sapphire Rapids.)
 constexpr int kRowsA = 4;
 constexpr int kRowsW = 4;
 // Decode (M = 1) has one row of A; more weight rows in flight hide the FMA latency of
@@ -233,11 +237,11 @@ void matmul_decode(const MatMulArgs& args, int64_t n_begin, int64_t n_end) {
   for (; n < n_end; ++n) decode_block<kUnit, 1>(args, n);
 }
 
-// Prefill (M > 1): rows of A in blocks of kRowsA, K in chunks of kChunkK, so that a
-// block's chunk of A (4 x 1024 floats = 16 KB) stays in L1 while every weight row of a
-// panel of up to kPanelW rows passes over it. Between chunks a block's partial sums wait
-// in `partial`, stored and reloaded exactly: each output still sees the operations of a
-// single pass, in the same order.
+// Small prefill (1 < M < kPanelMinM): rows of A in blocks of kRowsA, K in chunks of
+// kChunkK, so that a block's chunk of A (4 x 1024 floats = 16 KB) stays in L1 while
+// every weight row of a panel of up to kPanelW rows passes over it. Between chunks a
+// block's partial sums wait in `partial`, stored and reloaded exactly: each output
+// still sees the operations of a single pass, in the same order.
 constexpr int64_t kChunkK = 1024;  // a multiple of every group size
 constexpr int64_t kPanelW = 32;
 static_assert(kChunkK % 256 == 0, "chunks must not split a group");
@@ -289,12 +293,169 @@ void matmul_prefill(const MatMulArgs& args, int64_t n_begin, int64_t n_end) {
   }
 }
 
+// Prefill (M >= kPanelMinM): the driver in simd_common.h, with each weight dequantized
+// to its table value and tiles whose every output sees exactly the operations of decode:
+// fma into lane k mod 16 in ascending k, the same lane sum.
+// Below kPanelMinM the blocks above win: unpacking the weights into memory once costs
+// about what 2 blocks of 4 rows of A unpacking them in registers do (measured on
+// Sapphire Rapids: even at M = 8, 3.0 ms against 2.8 ms, K = N = 4096).
+constexpr int64_t kPanelMinM = 10;
+static_assert(kPanelMinM >= 4, "plan_tiles then gives tiles of 3 to 6 rows");
+
+struct Avx512Prefill {
+  static constexpr int kLanes = 16;
+  static constexpr int kTileRows = 4;  // panel rows per tile kernel, for 4..6 rows of A
+  static constexpr bool kShiftsChunks = true;
+
+  // Not inlined: the driver's loops would take the registers this loop needs.
+  template <int kUnit>
+  __attribute__((noinline)) static void dequantize_panel(const PackedWeights& w, const PanelChunk& c,
+                                                         float* panel) {
+    // Group sizes are powers of two (is_supported_group_size), so are units per group.
+    const int group_shift = __builtin_ctzll(static_cast<unsigned long long>(w.group_size / kUnit));
+    const int64_t u_begin = (c.k_begin > 0 ? c.k_begin : 0) / kUnit;
+    const int64_t u_end = (c.k_end + kUnit - 1) / kUnit;
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const uint8_t* codes = w.nibbles + (c.n0 + r) * w.row_bytes;
+      const float* scales = w.scales + (c.n0 + r) * w.groups;
+      float* out = panel + r * kPanelLd;
+      for (int64_t u = u_begin; u < u_end; ++u) {
+        // A table per unit: one multiply, cheaper than a loop per group when groups are
+        // one unit long (the common group size 32).
+        const __m512 table = group_table(scales[u >> group_shift]);
+        float* dst = out + (u * kUnit - c.k_begin);  // unaligned when the chunks are shifted
+        if constexpr (kUnit == 32) {
+          __m512 lo, hi;
+          decode_unit32(codes + u * 16, table, lo, hi);
+          _mm512_storeu_ps(dst, lo);
+          _mm512_storeu_ps(dst + 16, hi);
+        } else {
+          _mm512_storeu_ps(dst, decode_unit16(codes + u * 8, table));
+        }
+      }
+    }
+  }
+
+  // acc[i][r] += A row i . panel row r over the lanes of `m` of the vector at k.
+  template <int RA, int RW>
+  CIM_INLINE static void masked_step(const Tile& t, int64_t k, __mmask16 m, __m512 (&acc)[RA][RW]) {
+    __m512 wv[RW];
+#pragma GCC unroll 8
+    for (int r = 0; r < RW; ++r) wv[r] = _mm512_load_ps(t.panel + r * kPanelLd + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < RA; ++i) {
+      const __m512 av = _mm512_maskz_loadu_ps(m, t.a + i * t.lda + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < RW; ++r) acc[i][r] = _mm512_mask3_fmadd_ps(av, wv[r], acc[i][r], m);
+    }
+  }
+
+  // RA rows of A x RW panel rows. The first vector of a shifted first chunk begins
+  // before A's rows (t.head lanes, masked); kTail: the last chunk ends inside a vector.
+  // Both are handled apart so that the main loop keeps every accumulator in a register.
+  // (GCC keeps acc[][] in registers only when every loop over it is unrolled, hence the
+  // pragmas.)
+  template <int RA, int RW, bool kTail>
+  CIM_INLINE static void tile(const Tile& t) {
+    const __mmask16 resume = t.first ? 0 : 0xFFFF;  // a masked-off load gives exact zeros
+    __m512 acc[RA][RW];
+#pragma GCC unroll 8
+    for (int i = 0; i < RA; ++i) {
+#pragma GCC unroll 8
+      for (int r = 0; r < RW; ++r) acc[i][r] = _mm512_maskz_load_ps(resume, t.partial + (i * kPanelRows + r) * 16);
+    }
+    int64_t k = 0;
+    if (t.head > 0) {
+      masked_step<RA, RW>(t, 0, first_lanes(t.len < 16 ? t.len : 16) & ~first_lanes(t.head), acc);
+      k = 16;
+    }
+    const int64_t full = kTail ? t.len & ~int64_t{15} : t.len;
+    for (; k < full; k += 16) {
+      __m512 wv[RW];
+#pragma GCC unroll 8
+      for (int r = 0; r < RW; ++r) wv[r] = _mm512_load_ps(t.panel + r * kPanelLd + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < RA; ++i) {
+        const __m512 av = _mm512_loadu_ps(t.a + i * t.lda + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < RW; ++r) acc[i][r] = _mm512_fmadd_ps(av, wv[r], acc[i][r]);
+      }
+    }
+    if constexpr (kTail) {
+      if (k < t.len) masked_step<RA, RW>(t, k, first_lanes(t.len - k), acc);
+    }
+    if (t.last) {
+#pragma GCC unroll 8
+      for (int i = 0; i < RA; ++i) {
+#pragma GCC unroll 8
+        for (int r = 0; r < RW; ++r) {
+          float v = sum_lanes(acc[i][r]);
+          if (t.bias != nullptr) v += t.bias[r];
+          t.y[i * t.ldy + r] = v;
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int i = 0; i < RA; ++i) {
+#pragma GCC unroll 8
+        for (int r = 0; r < RW; ++r) _mm512_store_ps(t.partial + (i * kPanelRows + r) * 16, acc[i][r]);
+      }
+    }
+  }
+
+  // RA rows of A against all `rows` panel rows: tiles of 4 panel rows (8 for 3 rows of
+  // A, to keep enough accumulators), then the rest one at a time.
+  template <int RA, bool kTail>
+  static void tile_row(Tile t, int64_t rows, ChunkPrefetch& prefetch) {
+    constexpr int RW = RA >= 4 ? 4 : 8;
+    int64_t r = 0;
+    for (; r + RW <= rows; r += RW) {
+      tile<RA, RW, kTail>(t);
+      prefetch.step();
+      t.panel += RW * kPanelLd;
+      t.partial += RW * 16;
+      t.y += RW;
+      if (t.bias != nullptr) t.bias += RW;
+    }
+    for (; r < rows; ++r) {
+      tile<RA, 1, kTail>(t);
+      t.panel += kPanelLd;
+      t.partial += 16;
+      t.y += 1;
+      if (t.bias != nullptr) t.bias += 1;
+    }
+  }
+
+  template <bool kTail>
+  static void run_tiles_of(int64_t rows_a, const Tile& t, int64_t rows, ChunkPrefetch& prefetch) {
+    static_assert(kTileA == 6, "tile_row is instantiated for 3..6 rows of A");
+    switch (rows_a) {
+      case 6: tile_row<6, kTail>(t, rows, prefetch); break;
+      case 5: tile_row<5, kTail>(t, rows, prefetch); break;
+      case 4: tile_row<4, kTail>(t, rows, prefetch); break;
+      default: tile_row<3, kTail>(t, rows, prefetch); break;
+    }
+  }
+
+  // Vectors are 16 consecutive codes whatever the unit: only K's end makes a tail.
+  template <int kUnit>
+  static void run_tiles(int64_t rows_a, const Tile& t, int64_t rows, ChunkPrefetch& prefetch) {
+    if (t.len % 16 == 0) {
+      run_tiles_of<false>(rows_a, t, rows, prefetch);
+    } else {
+      run_tiles_of<true>(rows_a, t, rows, prefetch);
+    }
+  }
+};
+
 template <int kUnit>
 void matmul_unit(const MatMulArgs& args, int64_t n_begin, int64_t n_end) {
   if (args.M == 1) {
     matmul_decode<kUnit>(args, n_begin, n_end);
-  } else {
+  } else if (args.M < kPanelMinM) {
     matmul_prefill<kUnit>(args, n_begin, n_end);
+  } else {
+    prefill_panels<Avx512Prefill, kUnit>(args, n_begin, n_end);
   }
 }
 

@@ -5,7 +5,9 @@
 // the last weight row at its last packed byte, scales and bias at their last entry and
 // Y's last row at N. A SIMD read of A past K, of codes past the row or a write past Y
 // faults instead of passing. (For codes this is stricter than PackedWeights promises:
-// rows are padded to 64 bytes, but these kernels never need the padding.)
+// rows are padded to 64 bytes, but these kernels never need the padding.) The only
+// exception: shapes with a_pad, added to start A off a 64-byte line, leave a few floats
+// between A and its guard page.
 //
 // Checked per table and shape:
 //   accuracy     |y - exact| <= (K + 2) 2^-24 sum_k |a_k w_k| (+ the bias rounding)
@@ -88,13 +90,16 @@ struct Shape {
   int64_t lda, ldy;
   bool bias;
   bool wide_range;  // activations spread over many binades, to stress the bound
+  // Floats between A's last row and its guard page (0: none), to start A off a 64-byte
+  // line when K is a multiple of 16.
+  int64_t a_pad = 0;
 };
 
 std::string describe(const Shape& s) {
-  char buf[160];
+  char buf[192];
   std::snprintf(buf, sizeof buf, "M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " group=%" PRId64 " lda=%" PRId64
-                " ldy=%" PRId64 " bias=%d wide=%d",
-                s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias), int(s.wide_range));
+                " ldy=%" PRId64 " bias=%d wide=%d a_pad=%" PRId64,
+                s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias), int(s.wide_range), s.a_pad);
   return buf;
 }
 
@@ -148,7 +153,7 @@ class Problem {
       bias_g_ = std::make_unique<GuardedBuffer>(bias_.size() * sizeof(float));
       std::memcpy(bias_g_->as<float>(), bias_.data(), bias_.size() * sizeof(float));
     }
-    a_g_ = std::make_unique<GuardedBuffer>(a_.size() * sizeof(float));
+    a_g_ = std::make_unique<GuardedBuffer>((a_.size() + static_cast<size_t>(s.a_pad)) * sizeof(float));
     std::memcpy(a_g_->as<float>(), a_.data(), a_.size() * sizeof(float));
 
     w_ = src;
@@ -302,9 +307,12 @@ std::vector<Shape> shapes() {
                         48,  49,  63,  64,  65,  96,  100, 127, 128, 129, 200, 255,  256,  257,  300, 383,
                         384, 385, 511, 512, 513, 640, 777, 1000, 1024, 1031, 2048, 4096, 4099};
   // (M, N) pairs covering every remainder of the register blocks (up to 4 x 4), more
-  // than one block, and more than one 32-row panel.
-  const int64_t mn[][2] = {{1, 1}, {1, 4}, {1, 7}, {1, 18}, {2, 3},  {3, 2},
-                           {4, 4}, {5, 9}, {7, 5}, {9, 17}, {13, 6}, {6, 37}};
+  // than one block, and more than one 32-row panel; then for the dequantized-panel
+  // prefill (M >= 6 for AVX2, >= 10 for AVX-512): tiles of 3 to 6 rows of A, more than
+  // one 16-row panel and a partial one, and more than one m-block of 12 tiles (M > 72).
+  const int64_t mn[][2] = {{1, 1}, {1, 4},  {1, 7},   {1, 18},  {2, 3},  {3, 2},  {4, 4},
+                           {5, 9}, {7, 5},  {9, 17},  {13, 6},  {6, 37}, {8, 20}, {10, 3},
+                           {12, 35}, {31, 16}, {83, 19}};
   std::vector<Shape> out;
   int64_t i = 0;
   for (int64_t g : group_sizes) {
@@ -319,6 +327,28 @@ std::vector<Shape> shapes() {
         s.ldy = s.N + (i % 4 == 2 ? 3 : 0);
         s.bias = i % 2 == 1;
         s.wide_range = i % 5 == 4;
+        out.push_back(s);
+        ++i;
+      }
+    }
+  }
+  // Rows of A that start off a 64-byte line by the same amount (lda a multiple of 16),
+  // as NumPy arrays often do: the AVX-512 prefill then shifts its chunks of K to A's
+  // lines. When K is not a multiple of 16 the last row still ends at the guard page.
+  const int64_t misaligned_mn[][2] = {{10, 17}, {31, 16}, {83, 19}};
+  for (int64_t g : {16, 32, 128}) {
+    for (int64_t k : ks) {
+      for (const auto& p : misaligned_mn) {
+        Shape s;
+        s.M = p[0];
+        s.N = p[1];
+        s.K = k;
+        s.group_size = g;
+        s.lda = (k + 15) / 16 * 16 + (i % 2) * 16;
+        s.ldy = s.N + (i % 4 == 2 ? 3 : 0);
+        s.bias = i % 2 == 1;
+        s.wide_range = i % 5 == 4;
+        s.a_pad = k % 16 == 0 ? 1 + i % 15 : 0;
         out.push_back(s);
         ++i;
       }
