@@ -81,14 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_arguments(p)
     p.set_defaults(func=_demo)
 
-    try:
-        from . import bench
-    except ImportError:  # the benchmark engine is optional at import time
-        bench = None
-    if bench is not None:
-        p = sub.add_parser("bench", help="latency of FP32 ORT, ORT MatMulNBits and CimInt4MatMul, with bandwidth")
-        bench.add_arguments(p)
-        p.set_defaults(func=bench.run)
+    from . import bench
+
+    p = sub.add_parser("bench", help="latency of FP32 ORT, ORT MatMulNBits and CimInt4MatMul, with bandwidth")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
     return parser
 
 
