@@ -76,7 +76,7 @@ MIN_LOAD_WINDOW_S = 1.0
 WARM_CALLS = 4
 
 # Largest relative RMS error vs FP32 an INT4 (block 32) variant may show on the bench graphs.
-# Measured values are 0.07-0.35 (the graphs plant 10x outlier input rows, see graphs/_common.py);
+# Measured values are 0.07-0.35 (the graphs plant 10x outlier columns, see graphs/_common.py);
 # wrong nibble order or scales give ~1 or more.
 REL_ERROR_BOUND = 0.6
 
@@ -823,7 +823,7 @@ def machine_meta(suite: Suite, probe: BandwidthProbe, cold: bool, threads: Seque
         "suite": suite.name,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
-        "logical_cpus": len(os.sched_getaffinity(0)),
+        "logical_cpus": sum(len(core) for core in physical_cores()),  # not this thread's affinity: sessions pin it
         "physical_cores": len(physical_cores()),
         "llc_bytes": last_level_cache_bytes() or 0,
         "probe_bytes": probe.probe_bytes,
