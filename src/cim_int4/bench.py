@@ -76,9 +76,10 @@ MIN_LOAD_WINDOW_S = 1.0
 WARM_CALLS = 4
 
 # Largest relative RMS error vs FP32 an INT4 (block 32) variant may show on the bench graphs.
-# Measured values are 0.07-0.35 (the graphs plant 10x outlier columns, see graphs/_common.py);
-# wrong nibble order or scales give ~1 or more.
-REL_ERROR_BOUND = 0.6
+# Measured: 0.09-0.10 on single layers, 0.34-0.37 through the 16-layer chain, 0.21-0.40 on the
+# decoder (the graphs plant 10x outlier columns, see graphs/_common.py). Wrong nibble order or
+# scales give ~1.4, all zeros 1.0.
+REL_ERROR_BOUND = 0.7
 
 
 class BenchError(Exception):
@@ -688,7 +689,7 @@ def format_header(report: Report) -> str:
 def _load_line(meta: Mapping) -> str:
     other = meta.get("other_load_cpus")
     if other is None:
-        return "other load: unknown (no /proc/stat)"
+        return "other load: unknown (run under a second, or no /proc/stat)"
     verdict = "quiet" if other < 0.1 else "BUSY: timings are unreliable, stop other work and run again"
     return f"other load: other processes kept {other:.2f} of {meta['logical_cpus']} CPUs busy on average ({verdict})"
 
