@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import onnx
@@ -50,8 +50,13 @@ def thread_affinities(threads: int, cores: Sequence[Sequence[int]]) -> tuple[lis
     return cpus, ";".join(str(cpu + 1) for cpu in cpus[1:])
 
 
-def session_options(threads: int | None = None, pin: bool = True) -> ort.SessionOptions:
-    """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores), pinned."""
+def session_options(
+    threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
+) -> ort.SessionOptions:
+    """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores), pinned.
+
+    ``config`` adds ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``).
+    """
     cores = physical_cores()
     n = len(cores) if threads is None else threads
     so = ort.SessionOptions()
@@ -61,19 +66,24 @@ def session_options(threads: int | None = None, pin: bool = True) -> ort.Session
     if pin and n > 1:
         _, affinities = thread_affinities(n, cores)
         so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     return so
 
 
-def make_session(model: ModelSource, threads: int | None = None, pin: bool = True) -> ort.InferenceSession:
+def make_session(
+    model: ModelSource, threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
+) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (path, bytes or ModelProto) that can run CimInt4MatMul.
 
     ``threads`` intra-op threads (default: one per physical core). With ``pin``, each pool
     thread is pinned to its own physical core by ORT, and the calling thread, which ORT
-    never pins but which also runs work, is pinned here to the first core. Without
+    never pins but which also runs work, is pinned here to the first core. ``config``
+    adds ORT session config entries. Without
     ``pin``, the calling thread is given back all CPUs of the process (pool threads
     inherit its affinity).
     """
-    so = session_options(threads, pin)
+    so = session_options(threads, pin, config)
     if pin:
         cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
         os.sched_setaffinity(0, {cpus[0]})

@@ -54,7 +54,7 @@ from onnx import TensorProto
 
 from .exporter import export_with_summary
 from .graphs import LlamaConfig, llama_decoder, matmul_chain, random_input, single_matmul
-from .ops import library_path, physical_cores, session_options, thread_affinities
+from .ops import library_path, make_session, physical_cores, thread_affinities
 
 BWPROBE_NAME = "libcim_int4_bwprobe.so"
 BWPROBE_ENV = "CIM_INT4_BWPROBE"
@@ -928,14 +928,7 @@ def bench_session(model: onnx.ModelProto, threads: int):
     they would take the core from the next variant's threads and from the probe. Every
     variant (FP32, MatMulNBits, ours) gets the same options.
     """
-    import onnxruntime as ort
-
-    so = session_options(threads, pin=True)
-    so.add_session_config_entry("session.force_spinning_stop", "1")
-    # As make_session: ORT never pins the calling thread, which runs work too.
-    cpus, _ = thread_affinities(threads, physical_cores())
-    os.sched_setaffinity(0, {cpus[0]})
-    return ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+    return make_session(model, threads, pin=True, config={"session.force_spinning_stop": "1"})
 
 
 def _make_sessions(models: Mapping[str, onnx.ModelProto], variants: Sequence[Variant], threads: int) -> dict:
