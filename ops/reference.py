@@ -1,12 +1,32 @@
-"""NumPy reference of the `CimInt4MatMul` op: the oracle for every kernel.
+"""NumPy reference of the `CimInt4MatMul` op: the oracle for every kernel and compute mode.
 
 It reads the attribute format documented in ``cim_int4.exporter.quantize`` and is
 written independently of the exporter's packer, so a round-trip test checks both.
+
+Two levels:
+
+* ``matmul`` / ``dequantize``: what the attributes mean, in float64 (no rounding).
+* ``emulate``: the exact arithmetic a compute mode performs, so kernels can be held to
+  it within a few FP32 ulps (the only gap: NumPy has no fused multiply-add, emulated in
+  float64, which can round twice in rare ties).
+
+Compute modes (attribute ``compute``; absent means ``"fp32"``), per output ``y[m, n]``,
+groups ``g`` of ``group_size`` k in order, codes ``c`` (0..15) and weight scale ``s[n, g]``:
+
+* ``"fp32"``: ``t = 0; for k in g: t = fma(a[m, k], c - 8, t)``; ``acc = fma(t, s, acc)``.
+* ``"int8"``: each row of A is quantized per group (``quantize_activations``):
+  ``amax = max|a|``, ``qa = rint(a * (127 / amax))`` (int8, |qa| <= 127, 0 where amax = 0),
+  ``as = amax / 127``, ``bsum = sum qa``. Then per group the exact integer
+  ``d = sum qa * c - 8 * bsum`` and ``acc = fma(float(d), as * s, acc)``.
+
+Both end with ``y = acc + bias`` (when there is a bias). All float operations are float32.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+COMPUTE_MODES = ("fp32", "int8")
 
 
 def unpack(packed: np.ndarray) -> np.ndarray:
@@ -58,3 +78,71 @@ def error_bound(a: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, g
     u = 2.0**-24
     absw = np.abs(dequantize(packed, scales, k, group_size))
     return (k + 2) * u * (np.abs(np.asarray(a, dtype=np.float64)) @ absw)
+
+
+def _fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """float32 fma(x, y, z), computed in float64 (exact product) and rounded once more to float32."""
+    return (x.astype(np.float64) * y.astype(np.float64) + z.astype(np.float64)).astype(np.float32)
+
+
+def _padded_rows(a: np.ndarray, k: int, group_size: int) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float32)
+    if a.shape[-1] != k:
+        raise ValueError(f"a has last dimension {a.shape[-1]}, expected K={k}")
+    rows = a.reshape(-1, k)
+    groups = -(-k // group_size)
+    out = np.zeros((rows.shape[0], groups * group_size), dtype=np.float32)
+    out[:, :k] = rows
+    return out
+
+
+def quantize_activations(a: np.ndarray, k: int, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int8 mode's A: ``qa`` int8 [M, K_padded], ``as`` float32 [M, groups], ``bsum`` int32 [M, groups]."""
+    rows = _padded_rows(a, k, group_size)
+    m = rows.shape[0]
+    blocks = rows.reshape(m, -1, group_size)
+    amax = np.abs(blocks).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    qa = np.rint(blocks * inv.astype(np.float32)[:, :, None]).astype(np.int8)
+    ascale = (amax / np.float32(127)).astype(np.float32)
+    bsum = qa.astype(np.int32).sum(axis=2)
+    return qa.reshape(m, -1), ascale, bsum
+
+
+def emulate(
+    a: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    group_size: int,
+    bias: np.ndarray | None = None,
+    compute: str = "fp32",
+) -> np.ndarray:
+    """float32 ``a @ W (+ bias)`` with exactly the arithmetic of compute mode ``compute`` (see the module doc)."""
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+    a = np.asarray(a, dtype=np.float32)
+    lead = a.shape[:-1]
+    codes = (unpack(packed).astype(np.int32) + 8)  # [N, K_padded]
+    scales = np.asarray(scales, dtype=np.float32)
+    n, groups = scales.shape
+    acc = np.zeros((int(np.prod(lead, dtype=np.int64)), n), dtype=np.float32)
+    if compute == "fp32":
+        rows = _padded_rows(a, k, group_size)
+        wq = (codes - 8).astype(np.float32)  # [N, K_padded]
+        for g in range(groups):
+            t = np.zeros_like(acc)
+            for kk in range(g * group_size, min((g + 1) * group_size, k)):
+                t = _fma32(rows[:, kk : kk + 1], wq[None, :, kk], t)
+            acc = _fma32(t, scales[None, :, g], acc)
+    else:
+        qa, ascale, bsum = quantize_activations(a, k, group_size)
+        for g in range(groups):
+            sl = slice(g * group_size, (g + 1) * group_size)
+            d = qa[:, sl].astype(np.int64) @ codes[:, sl].T.astype(np.int64) - 8 * bsum[:, g : g + 1].astype(np.int64)
+            s = (ascale[:, g : g + 1] * scales[None, :, g]).astype(np.float32)
+            acc = _fma32(d.astype(np.float32), s, acc)
+    if bias is not None:
+        acc = (acc + np.asarray(bias, dtype=np.float32)).astype(np.float32)
+    return acc.reshape(*lead, n)

@@ -164,8 +164,8 @@ def _bad_attribute_cases() -> list:
     nan_scale[3, 1] = np.nan
     inf_scale = qw.scales.copy()
     inf_scale[0, 0] = np.inf
-    neg_scale = qw.scales.copy()
-    neg_scale[6, 3] = -0.5
+    huge_scale = qw.scales.copy()
+    huge_scale[6, 3] = 1e38  # finite, but 8 * scale is not
     cases = {
         "packed one byte short": ("packed", dict(packed=qw.packed[:, :-1].copy())),
         "packed one row short": ("packed", dict(packed=qw.packed[:-1].copy())),
@@ -183,7 +183,7 @@ def _bad_attribute_cases() -> list:
         "scales missing": ("scales", dict(scales=None)),
         "scales NaN": ("scales", dict(scales=nan_scale)),
         "scales inf": ("scales", dict(scales=inf_scale)),
-        "scales negative": ("scales", dict(scales=neg_scale)),
+        "scales 8x overflows": ("scales", dict(scales=huge_scale)),
         "K missing": ("K", dict(K=None)),
         "K zero": ("K", dict(K=0)),
         "N missing": ("N", dict(N=None)),

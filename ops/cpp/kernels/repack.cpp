@@ -54,10 +54,13 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
     }
   }
   for (int64_t i = 0; i < N * groups; ++i) {
-    if (!std::isfinite(scales[i]) || scales[i] < 0.0f) {
+    // Any sign (ORT's and llama.cpp's symmetric rule map the largest-magnitude weight to
+    // -8, so the scale takes its sign); 8*|scale| bounds every dequantized weight, so it
+    // must be finite too.
+    if (!std::isfinite(scales[i]) || !std::isfinite(8.0f * scales[i])) {
       std::ostringstream msg;
       msg << "attribute 'scales': value " << scales[i] << " at row " << i / groups << ", group "
-          << i % groups << " is not a finite number >= 0";
+          << i % groups << " is not a finite number with 8*|scale| finite (|scale| <= 4.25e37)";
       return msg.str();
     }
   }
