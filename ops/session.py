@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import onnx
 import onnxruntime as ort
@@ -13,19 +14,25 @@ import onnxruntime as ort
 from .library import library_path
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
+Pin = bool | Literal["run", "pool", "none"]
+
+PIN_MODES = ("run", "pool", "none")
+# Measured on a 4096x4096 chain at M=1 (README, make_session): pinning only ORT's pool threads
+# was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
+DEFAULT_PIN = "pool"
+COMPUTE_CONFIG_KEY = "cim_int4.compute"
+COMPUTE_MODES = ("fp32", "int8")
 
 
-@functools.lru_cache(maxsize=1)
 def _allowed_cpus() -> tuple[int, ...]:
-    # Read once: make_session narrows the calling thread's own affinity afterwards.
+    # Read each time (no cache): a process that moved itself must not be pinned back.
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
 def physical_cores() -> list[list[int]]:
     """Logical CPUs this process may run on, grouped by physical core (first CPU of each core first)."""
-    allowed = _allowed_cpus()
     cores: dict[tuple[str, str], list[int]] = {}
-    for cpu in allowed:
+    for cpu in _allowed_cpus():
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
@@ -50,47 +57,123 @@ def thread_affinities(threads: int, cores: Sequence[Sequence[int]]) -> tuple[lis
     return cpus, ";".join(str(cpu + 1) for cpu in cpus[1:])
 
 
-def session_options(
-    threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
-) -> ort.SessionOptions:
-    """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores), pinned.
+def resolve_threads(threads: int | None, cores: Sequence[Sequence[int]], oversubscribe: bool = False) -> int:
+    """Intra-op thread count: ``threads``, or one per physical core; more than the cores is capped with a warning.
 
-    ``config`` adds ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``).
+    ``oversubscribe=True`` keeps a ``threads`` above the core count (threads then share cores).
     """
+    if threads is None:
+        return len(cores)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1 (or None for one per physical core), got {threads!r}")
+    if threads > len(cores) and not oversubscribe:
+        warnings.warn(
+            f"cim-int4: threads={threads} exceeds the {len(cores)} physical core(s) this process may use; "
+            f"using {len(cores)} (pass oversubscribe=True to keep {threads})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return len(cores)
+    return threads
+
+
+def _pin_mode(pin: Pin) -> str:
+    if pin is True:
+        return DEFAULT_PIN
+    if pin is False:
+        return "none"
+    if pin not in PIN_MODES:
+        raise ValueError(f"pin must be True, False or one of {PIN_MODES}, got {pin!r}")
+    return pin
+
+
+def session_options(
+    threads: int | None = None,
+    pin: Pin = True,
+    config: Mapping[str, str] | None = None,
+    *,
+    compute: str | None = None,
+    oversubscribe: bool = False,
+) -> ort.SessionOptions:
+    """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores).
+
+    Unless ``pin`` is False/"none", ORT pins each pool thread to its own core. ``config`` adds
+    ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``); ``compute``
+    ("fp32" or "int8") sets the op library's ``cim_int4.compute`` entry.
+    """
+    mode = _pin_mode(pin)
+    if compute is not None and compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be None or one of {COMPUTE_MODES}, got {compute!r}")
     cores = physical_cores()
-    n = len(cores) if threads is None else threads
+    n = resolve_threads(threads, cores, oversubscribe)
     so = ort.SessionOptions()
     so.register_custom_ops_library(library_path())
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
-    if pin and n > 1:
+    if mode != "none" and n > 1:
         _, affinities = thread_affinities(n, cores)
         so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
+    if compute is not None:
+        so.add_session_config_entry(COMPUTE_CONFIG_KEY, compute)
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     return so
 
 
+class PinnedRunSession(ort.InferenceSession):
+    """An InferenceSession whose ``run`` pins the calling thread to ``caller_cpu`` and restores its affinity after."""
+
+    def __init__(self, *args: Any, caller_cpu: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.caller_cpu = caller_cpu
+
+    def _pinned(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        # The caller runs a share of the work like a pool thread; pin it only while it does.
+        before = os.sched_getaffinity(0)
+        target = {self.caller_cpu} if self.caller_cpu in before else before
+        if target != before:
+            os.sched_setaffinity(0, target)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if target != before:
+                os.sched_setaffinity(0, before)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pinned(super().run, *args, **kwargs)
+
+    def run_with_ort_values(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pinned(super().run_with_ort_values, *args, **kwargs)
+
+    def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pinned(super().run_with_iobinding, *args, **kwargs)
+
+
 def make_session(
-    model: ModelSource, threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
+    model: ModelSource,
+    threads: int | None = None,
+    pin: Pin = True,
+    config: Mapping[str, str] | None = None,
+    *,
+    compute: str | None = None,
+    oversubscribe: bool = False,
 ) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (path, bytes or ModelProto) that can run CimInt4MatMul.
 
-    ``threads`` intra-op threads (default: one per physical core). With ``pin``, each pool
-    thread is pinned to its own physical core by ORT, and the calling thread, which ORT
-    never pins but which also runs work, is pinned here to the first core. ``config``
-    adds ORT session config entries. Without
-    ``pin``, the calling thread is given back all CPUs of the process (pool threads
-    inherit its affinity).
+    ``threads`` intra-op threads (default and cap: one per physical core of this process's
+    CPU set; ``oversubscribe=True`` lifts the cap). ``pin``: "pool" (True, the default) pins
+    ORT's pool threads to their own cores, the calling thread stays free; "run" also pins
+    the calling thread to the first core while each run lasts; "none" (False) pins nothing. The
+    calling thread's affinity is never changed after this returns. ``config`` adds ORT
+    session config entries; ``compute`` ("fp32" or "int8") picks the op's compute mode.
     """
-    so = session_options(threads, pin, config)
-    if pin:
-        cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
-        os.sched_setaffinity(0, {cpus[0]})
-    else:
-        os.sched_setaffinity(0, set(_allowed_cpus()))
+    so = session_options(threads, pin, config, compute=compute, oversubscribe=oversubscribe)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif not isinstance(model, bytes):
         model = os.fspath(model)
-    return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
+    providers = ["CPUExecutionProvider"]
+    if _pin_mode(pin) == "run":
+        cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
+        return PinnedRunSession(model, sess_options=so, providers=providers, caller_cpu=cpus[0])
+    return ort.InferenceSession(model, sess_options=so, providers=providers)
