@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import helper
 
+from ..ops.names import OP_DOMAIN, OP_TYPE
+from . import io
+from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
 from .rewrite import ExportSummary, rewrite_model
-
-# Protobuf cannot serialise 2 GiB; above this the attributes go to an external data file.
-EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 
@@ -27,11 +24,17 @@ class ExportError(Exception):
 class NothingToQuantize(ExportError):
     """The model has no MatMul/Gemm the exporter can quantize; ``summary`` says why for each."""
 
-    def __init__(self, summary: ExportSummary) -> None:
-        super().__init__(
-            "nothing to quantize: no eligible MatMul/Gemm with a constant float32 weight\n" + summary.format()
-        )
+    def __init__(self, summary: ExportSummary, int4_nodes: Sequence[str] = ()) -> None:
+        if int4_nodes:
+            shown = ", ".join(int4_nodes[:5]) + (f" and {len(int4_nodes) - 5} more" if len(int4_nodes) > 5 else "")
+            why = f"the model is already quantized: it has {len(int4_nodes)} INT4 node(s) ({shown})"
+            if summary.skipped:
+                why += "; the other MatMul/Gemm nodes cannot be quantized:\n" + summary.format()
+        else:
+            why = "no eligible MatMul/Gemm with a constant float32 weight\n" + summary.format()
+        super().__init__("nothing to quantize: " + why)
         self.summary = summary
+        self.int4_nodes = list(int4_nodes)
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,57 +60,31 @@ def max_ir_version() -> int:
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Load an ONNX model file (with its external data), with an error that names the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ExportError(f"{p}: no such file")
+    """Load an ONNX model file with its external data, with a one-line error that names the file."""
     try:
-        model = onnx.load(str(p))
-    except (DecodeError, ValueError, RuntimeError) as e:
-        raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+        model, _ = read_model(path)
+        TensorStore().inline(model)
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
     except OSError as e:
-        raise ExportError(f"{p}: cannot read ({e})") from e
-    # Protobuf parses an empty file, and some short text files, as an empty message.
-    if model.ir_version == 0 or not model.HasField("graph"):
-        raise ExportError(f"{p}: not an ONNX model (no IR version or no graph)")
+        raise ExportError(f"{path}: cannot read ({e.strerror or e})") from e
     return model
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
+def save_model(model: onnx.ModelProto, output: str | os.PathLike, *, quiet: bool = True) -> None:
+    """Write ``model`` to ``output`` atomically; tensors go to ``<output>.data`` when the model is over 1 GiB."""
     try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def save_model(model: onnx.ModelProto, output: str | os.PathLike) -> None:
-    """Write ``model`` to ``output`` atomically; attributes go to ``<output>.data`` when the model is over 1 GiB."""
-    out = Path(output)
-    if not out.parent.is_dir():
-        raise ExportError(f"{out}: folder {out.parent} does not exist")
-    external = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    if external:
-        # onnx moves tensors out of the proto it saves; the caller's model must stay whole.
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        model = copy
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        onnx.save_model(
-            model,
-            tmp,
-            save_as_external_data=external,
-            all_tensors_to_one_file=True,
-            location=f"{out.name}.data",
-            convert_attribute=True,  # our weights live in node attributes, not initializers
-        )
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with OutputFiles(output) as files:
+            if model.ByteSize() > io.EXTERNAL_DATA_THRESHOLD:
+                # Tensors move out of the proto that is saved; the caller's model must stay whole.
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                model = copy
+            files.commit(model, TensorStore(files, Progress(model.ByteSize(), quiet)))
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
+    except OSError as e:
+        raise ExportError(f"{output}: cannot write ({e.strerror or e})") from e
 
 
 def export_int4(
@@ -121,29 +98,78 @@ def export_int4(
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
+    From a path, weights are read one at a time and the output is written as it goes, so
+    memory stays well under the model's size. When the output has external data, the
+    returned model refers to ``<output>.data`` (load it from ``output`` to get it whole).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
-    an output path that is the input, ValueError for a bad option.
+    an output path that would touch a file the input reads, ValueError for a bad option.
     """
-    source_path = None if isinstance(model, onnx.ModelProto) else Path(model)
-    if output is not None and source_path is not None and _same_file(source_path, Path(output)):
-        raise ExportError(f"{output}: output path is the input file; choose another output path")
-    proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
-    quantized, summary = export_with_summary(proto, group_size=group_size, exclude=exclude, min_size=min_size)
+    options = {"group_size": group_size, "exclude": exclude, "min_size": min_size}
+    if isinstance(model, onnx.ModelProto):
+        quantized, summary = export_with_summary(model, **options)
+        _report(summary, quiet)
+        if output is not None:
+            save_model(quantized, output, quiet=quiet)
+            _wrote(output, quiet)
+        return quantized
+    try:
+        proto, input_files = read_model(model)
+        if output is None:
+            store = TensorStore()
+            quantized, summary = _export(proto, store, **options)
+            store.inline(quantized)
+            _report(summary, quiet)
+            return quantized
+        with OutputFiles(output, input_files) as files:
+            progress = Progress(TensorStore().external_bytes(proto), quiet)
+            try:
+                store = TensorStore(files, progress)
+                quantized, summary = _export(proto, store, **options)
+                files.commit(quantized, store)
+            finally:
+                progress.close()
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
+    except OSError as e:
+        raise ExportError(f"{e.filename or output}: {e.strerror or e}") from e
+    _report(summary, quiet)
+    _wrote(output, quiet)
+    return quantized
+
+
+def _report(summary: ExportSummary, quiet: bool) -> None:
     if not quiet:
         print(summary.format())
-    if output is not None:
-        save_model(quantized, output)
-        if not quiet:
-            print(f"cim-int4: wrote {output}")
-    return quantized
+
+
+def _wrote(output: str | os.PathLike, quiet: bool) -> None:
+    if not quiet:
+        print(f"cim-int4: wrote {output}")
 
 
 def export_with_summary(
     model: onnx.ModelProto, *, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    quantized, summary = rewrite_model(model, group_size=group_size, exclude=list(exclude), min_size=min_size)
+    return _export(model, None, group_size=group_size, exclude=exclude, min_size=min_size)
+
+
+def _export(
+    model: onnx.ModelProto, tensors: TensorStore | None, *, group_size: int, exclude: Iterable[str], min_size: int
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    quantized, summary = rewrite_model(
+        model, group_size=group_size, exclude=list(exclude), min_size=min_size, tensors=tensors
+    )
     if not summary.rewritten:
-        raise NothingToQuantize(summary)
+        raise NothingToQuantize(summary, _int4_nodes(model))
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary
+
+
+def _int4_nodes(model: onnx.ModelProto) -> list[str]:
+    """'op_type name' of every INT4 MatMul node (ours or ORT's MatMulNBits) in the main graph."""
+    return [
+        f"{n.op_type} {n.name or n.output[0]!r}"
+        for n in model.graph.node
+        if (n.op_type, n.domain) in ((OP_TYPE, OP_DOMAIN), ("MatMulNBits", "com.microsoft"))
+    ]

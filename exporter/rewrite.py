@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -69,10 +70,19 @@ class ExportSummary:
         return "\n".join(lines)
 
 
+class TensorIO(Protocol):
+    """Where tensor bytes live: ``read`` a constant as an array, ``write`` a new attribute tensor (may move it out)."""
+
+    def read(self, tensor: onnx.TensorProto) -> np.ndarray: ...
+
+    def write(self, tensor: onnx.TensorProto) -> None: ...
+
+
 class _Constants:
     """Constant tensors of the main graph: initializers (not overridable inputs) and Constant nodes."""
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: onnx.GraphProto, read: Callable[[onnx.TensorProto], np.ndarray]) -> None:
+        self.read = read
         inputs = {i.name for i in graph.input}
         self.initializers = {t.name: t for t in graph.initializer}
         self.overridable = inputs & self.initializers.keys()
@@ -131,7 +141,7 @@ def _weight(consts: _Constants, name: str) -> np.ndarray:
         raise _Ineligible(f"weight {name!r} is {dtype}; only FLOAT (float32) weights are quantized")
     if len(tensor.dims) != 2:
         raise _Ineligible(f"weight {name!r} has shape {list(tensor.dims)}; only 2-D weights are quantized")
-    return numpy_helper.to_array(tensor)
+    return consts.read(tensor)
 
 
 def _matmul_operands(node: onnx.NodeProto, consts: _Constants) -> tuple[np.ndarray, np.ndarray | None]:
@@ -150,7 +160,7 @@ def _matmul_operands(node: onnx.NodeProto, consts: _Constants) -> tuple[np.ndarr
     c_tensor = consts.tensor(node.input[2])
     if c_tensor is None or c_tensor.data_type != onnx.TensorProto.FLOAT:
         raise _Ineligible(f"Gemm bias {node.input[2]!r} is not a float32 constant")
-    c = numpy_helper.to_array(c_tensor).astype(np.float32) * np.float32(_attr(node, "beta", 1.0))
+    c = consts.read(c_tensor).astype(np.float32) * np.float32(_attr(node, "beta", 1.0))
     n = w.shape[1]
     if c.size not in (1, n) or (c.ndim == 2 and c.shape[0] != 1) or c.ndim > 2:
         raise _Ineligible(f"Gemm bias {node.input[2]!r} has shape {list(c.shape)}; only [N], [1, N] or scalar fold")
@@ -162,8 +172,13 @@ def rewrite_model(
     group_size: int = 32,
     exclude: Iterable[str] = (),
     min_size: int = 0,
+    tensors: TensorIO | None = None,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
-    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary."""
+    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
+
+    ``tensors`` reads weights held outside the proto and takes each new attribute tensor as it
+    is made (the exporter streams them to the output file); by default everything is inline.
+    """
     check_group_size(group_size)
     patterns = []
     for text in exclude:
@@ -180,7 +195,7 @@ def rewrite_model(
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    consts = _Constants(graph)
+    consts = _Constants(graph, tensors.read if tensors is not None else numpy_helper.to_array)
     summary = ExportSummary(group_size=group_size)
 
     for index, node in enumerate(graph.node):
@@ -222,6 +237,10 @@ def rewrite_model(
             domain=OP_DOMAIN,
             **attrs,
         )
+        if tensors is not None:
+            for a in new.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    tensors.write(a.t)
         graph.node[index].CopyFrom(new)
         bias_bytes = 0 if bias is None else bias.nbytes
         summary.rewritten.append(

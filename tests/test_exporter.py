@@ -547,9 +547,9 @@ def test_large_model_goes_to_external_data_and_runs(
 ) -> None:
     # Models over the threshold (1 GiB in use) keep their attribute tensors in <output>.data;
     # a small threshold exercises the same path. ORT must read tensor attributes from it.
-    import cim_int4.exporter.api as api
+    import cim_int4.exporter.io as exporter_io
 
-    monkeypatch.setattr(api, "EXTERNAL_DATA_THRESHOLD", 1024)
+    monkeypatch.setattr(exporter_io, "EXTERNAL_DATA_THRESHOLD", 1024)
     out = tmp_path / "big.onnx"
     in_memory = export_int4(mlp_model, out, quiet=True)
     data = tmp_path / "big.onnx.data"

@@ -1,0 +1,427 @@
+"""Model files in and out, in bounded memory: lazy weights, checked external data, atomic outputs.
+
+Reading: ``read_model`` parses a model file without its weights. Every external-data location
+is checked (relative, no ``..``, no symlink, a readable file long enough), and big inline
+tensors are turned into references into the model file itself, so that one weight at a time
+is read, by ``TensorStore.read``, only when the rewrite needs it. Internally a reference to an
+input file has an absolute location; a relative location is the output's own data file.
+
+Writing: ``OutputFiles`` writes ``<out>.data`` and ``<out>`` under temporary names in the
+output folder, with the umask's permissions, and renames them last (data first, model last);
+a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+# Protobuf cannot serialise 2 GiB; above this the output keeps its tensors in <output>.data.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+# Inline tensors at least this big are read lazily from the model file; smaller ones stay parsed.
+LAZY_MIN_BYTES = 4096
+# Output tensors at least this big go to <output>.data when the output uses external data (as onnx.save).
+EXTERNAL_MIN_BYTES = 1024
+# A progress bar is shown when the tensors read or copied add up to this much.
+PROGRESS_MIN_BYTES = 256 << 20
+_COPY_CHUNK = 16 << 20
+
+_EXTERNAL = onnx.TensorProto.EXTERNAL
+# Field numbers of the ONNX protobuf schema (onnx/onnx.proto) that the lazy reader walks.
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+class ModelFileError(Exception):
+    """A model file, its external data or an output path is unusable; the message names it."""
+
+
+def iter_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``graph`` and its subgraphs: initializers and tensor attributes (Constant values too)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from iter_tensors(attr.g)
+            for g in attr.graphs:
+                yield from iter_tensors(g)
+
+
+def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
+    """(location, offset, length or None) of a tensor stored as external data."""
+    info = {e.key: e.value for e in tensor.external_data}
+    length = info.get("length")
+    return info.get("location", ""), int(info.get("offset", 0) or 0), None if length is None else int(length)
+
+
+def set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make ``tensor`` refer to ``length`` bytes at ``offset`` of ``location`` instead of holding them."""
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = _EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _varint(buf: mmap.mmap | bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Malformed
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: mmap.mmap | bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, start of the field, start of its value, end) of each field of a protobuf message."""
+    while pos < end:
+        start = pos
+        key, pos = _varint(buf, pos, end)
+        wire = key & 7
+        if wire == 0:
+            value, (_, stop) = pos, _varint(buf, pos, end)
+        elif wire == 1:
+            value, stop = pos, pos + 8
+        elif wire == 2:
+            size, value = _varint(buf, pos, end)
+            stop = value + size
+        elif wire == 5:
+            value, stop = pos, pos + 4
+        else:
+            raise _Malformed
+        if stop > end or key >> 3 == 0:
+            raise _Malformed
+        yield key >> 3, start, value, stop
+        pos = stop
+
+
+def _field_bytes(field: int, payload: bytes) -> bytes:
+    key, size = (field << 3) | 2, len(payload)
+    out = bytearray()
+    for value in (key, size):
+        while value >= 0x80:
+            out.append((value & 0x7F) | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out) + payload
+
+
+def _lazy_tensor(buf: mmap.mmap, start: int, end: int, path: str) -> bytes:
+    """A serialized TensorProto whose big raw_data becomes a reference into the model file at ``path``."""
+    parts, raw = [], None
+    for field, fstart, value, stop in _fields(buf, start, end):
+        if field == _TENSOR_RAW_DATA:
+            raw = (value, stop - value)
+        else:
+            parts.append(buf[fstart:stop])
+    if raw is None or raw[1] < LAZY_MIN_BYTES:
+        return buf[start:end]
+    tensor = onnx.TensorProto.FromString(b"".join(parts))
+    set_external(tensor, path, raw[0], raw[1])
+    return tensor.SerializeToString()
+
+
+def _lazy_model_bytes(buf: mmap.mmap, path: str) -> bytes:
+    parts = []
+    for field, start, value, stop in _fields(buf, 0, len(buf)):
+        if field != _MODEL_GRAPH:
+            parts.append(buf[start:stop])
+            continue
+        graph = []
+        for gfield, gstart, gvalue, gstop in _fields(buf, value, stop):
+            if gfield == _GRAPH_INITIALIZER:
+                graph.append(_field_bytes(gfield, _lazy_tensor(buf, gvalue, gstop, path)))
+            else:
+                graph.append(buf[gstart:gstop])
+        parts.append(_field_bytes(field, b"".join(graph)))
+    return b"".join(parts)
+
+
+def _check_external(tensor: onnx.TensorProto, model_path: Path, base: str) -> str:
+    """The absolute path of the file holding ``tensor``'s external data, after checking its location."""
+    location, offset, length = external_info(tensor)
+    where = f"{model_path}: tensor {tensor.name!r}: external data location {location!r}"
+    if not location:
+        raise ModelFileError(f"{model_path}: tensor {tensor.name!r} is external but has no location")
+    if os.path.isabs(location):
+        raise ModelFileError(f"{where} is absolute; it must be relative to the model's folder")
+    if ".." in Path(location).parts:
+        raise ModelFileError(f"{where} contains '..'; it must stay inside the model's folder")
+    full = os.path.join(base, location)
+    if os.path.realpath(full) != os.path.normpath(full):
+        raise ModelFileError(f"{where} is or goes through a symlink; external data must be a plain file")
+    if not os.path.isfile(full):
+        raise ModelFileError(f"{where}: no such file {full}")
+    try:
+        with open(full, "rb"):
+            pass
+    except OSError as e:
+        raise ModelFileError(f"{where}: cannot read {full} ({e.strerror})") from e
+    need = offset + (_nbytes(tensor) if length is None else length)
+    if offset < 0 or (length is not None and length != _nbytes(tensor)):
+        raise ModelFileError(f"{where}: offset {offset} / length {length} do not fit shape {list(tensor.dims)}")
+    if need > os.path.getsize(full):
+        raise ModelFileError(f"{where}: {full} has {os.path.getsize(full)} bytes, the tensor needs {need}")
+    return full
+
+
+def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, set[str]]:
+    """The model at ``path`` without its weights (read later by TensorStore) and the real paths of the files it reads.
+
+    Raises ModelFileError naming the file for an unreadable model or bad external data.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"{p}: no such file")
+    real = os.path.realpath(p)
+    try:
+        with open(p, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ModelFileError(f"{p}: not an ONNX model (empty file)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                model = onnx.ModelProto.FromString(_lazy_model_bytes(buf, real))
+    except (_Malformed, ValueError, RuntimeError) as e:
+        raise ModelFileError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+    except OSError as e:
+        raise ModelFileError(f"{p}: cannot read ({e.strerror or e})") from e
+    except Exception as e:  # protobuf's DecodeError
+        raise ModelFileError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise ModelFileError(f"{p}: not an ONNX model (no IR version or no graph)")
+    base = os.path.dirname(real)
+    files = {real}
+    for tensor in iter_tensors(model.graph):
+        if tensor.data_location != _EXTERNAL:
+            continue
+        location, offset, length = external_info(tensor)
+        if os.path.isabs(location) and location == real:
+            continue  # a lazy inline tensor of the model file itself
+        full = _check_external(tensor, p, base)
+        set_external(tensor, full, offset, _nbytes(tensor) if length is None else length)
+        files.add(full)
+    return model, files
+
+
+# ---------------------------------------------------------------- writing
+
+
+class Progress:
+    """A tqdm bar over bytes read or copied, shown only when ``total`` is big and not ``quiet``."""
+
+    def __init__(self, total: int, quiet: bool, label: str = "cim-int4 export") -> None:
+        self._bar = None
+        if not quiet and total >= PROGRESS_MIN_BYTES:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=label, file=sys.stderr, leave=False)
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class TensorStore:
+    """Reads weights one at a time from their files; with a sink, moves new tensors to the output's data file."""
+
+    def __init__(self, sink: OutputFiles | None = None, progress: Progress | None = None) -> None:
+        self.sink = sink
+        self.progress = progress or Progress(0, True)
+
+    def _path(self, location: str) -> str:
+        if os.path.isabs(location):
+            return location
+        if self.sink is None or location != self.sink.data_name:
+            raise ModelFileError(f"external data {location!r} is not a file of this export")
+        return str(self.sink.tmp_data)
+
+    def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
+        """The raw bytes of an external ``tensor``."""
+        location, offset, length = external_info(tensor)
+        with open(self._path(location), "rb") as f:
+            f.seek(offset)
+            data = f.read(length if length is not None else _nbytes(tensor))
+        self.progress.update(len(data))
+        return data
+
+    def read(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """``tensor`` as an array, read from its file when it is external (the proto is left as it is)."""
+        if tensor.data_location != _EXTERNAL:
+            return numpy_helper.to_array(tensor)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        if dtype.kind not in "fiub":
+            raise ModelFileError(f"tensor {tensor.name!r}: external data of type {dtype} is not supported")
+        location, offset, _ = external_info(tensor)
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        array = np.fromfile(self._path(location), dtype=dtype.newbyteorder("<"), count=count, offset=offset)
+        if array.size != count:
+            raise ModelFileError(f"tensor {tensor.name!r}: {location} ends before the tensor's {count} elements")
+        self.progress.update(array.nbytes)
+        return array.astype(dtype, copy=False).reshape(tuple(tensor.dims))
+
+    def write(self, tensor: onnx.TensorProto) -> None:
+        """Move a new tensor's bytes to the output's data file now (no-op without a sink or for small tensors)."""
+        if self.sink is not None and len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
+            offset = self.sink.append(tensor.raw_data)
+            set_external(tensor, self.sink.data_name, offset, len(tensor.raw_data))
+
+    def inline(self, model: onnx.ModelProto) -> None:
+        """Read every external tensor of ``model`` back into the proto."""
+        for tensor in iter_tensors(model.graph):
+            if tensor.data_location == _EXTERNAL:
+                data = self.read_bytes(tensor)
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                tensor.raw_data = data
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        """Copy input-file tensors and big inline tensors of ``model`` into the output's data file."""
+        assert self.sink is not None
+        for tensor in iter_tensors(model.graph):
+            if tensor.data_location == _EXTERNAL:
+                location, offset, length = external_info(tensor)
+                if not os.path.isabs(location):
+                    continue  # already in the output's data file
+                with open(location, "rb") as src:
+                    new_offset = self.sink.copy_from(src, offset, length or 0, self.progress)
+                set_external(tensor, self.sink.data_name, new_offset, length or 0)
+            else:
+                if not tensor.raw_data and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
+                    # float_data and friends: store as raw bytes so the tensor can move out too.
+                    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+                self.write(tensor)
+
+    def external_bytes(self, model: onnx.ModelProto) -> int:
+        """Bytes of ``model``'s tensors held outside the proto."""
+        total = 0
+        for tensor in iter_tensors(model.graph):
+            if tensor.data_location == _EXTERNAL:
+                _, _, length = external_info(tensor)
+                total += _nbytes(tensor) if length is None else length
+        return total
+
+
+def _create(path: Path) -> BinaryIO:
+    # os.open's mode goes through the umask, unlike mkstemp's fixed 0600.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    return os.fdopen(fd, "wb")
+
+
+class OutputFiles:
+    """``<out>`` and ``<out>.data`` written under temporary names in the output folder, renamed by ``commit``."""
+
+    def __init__(self, output: str | os.PathLike, input_files: set[str] = frozenset()) -> None:
+        self.out = Path(output)
+        self.data_name = f"{self.out.name}.data"
+        self.final_data = self.out.with_name(self.data_name)
+        check_output(self.out, self.final_data, input_files)
+        tag = f"{os.getpid()}.{id(self):x}"
+        self.tmp_data = self.out.with_name(f".{self.data_name}.{tag}.tmp")
+        self.tmp_model = self.out.with_name(f".{self.out.name}.{tag}.tmp")
+        self._data: BinaryIO | None = None
+        self._size = 0
+
+    def __enter__(self) -> OutputFiles:
+        try:
+            self._data = _create(self.tmp_data)
+        except OSError as e:
+            raise ModelFileError(f"{self.out}: cannot write in folder {self.out.parent} ({e.strerror})") from e
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._data is not None:
+            self._data.close()
+        for tmp in (self.tmp_data, self.tmp_model):
+            tmp.unlink(missing_ok=True)
+
+    def append(self, data: bytes | memoryview) -> int:
+        """Append ``data`` to the data file; its offset."""
+        assert self._data is not None
+        offset = self._size
+        self._data.write(data)
+        self._size += len(data)
+        return offset
+
+    def copy_from(self, src: BinaryIO, offset: int, length: int, progress: Progress) -> int:
+        """Append ``length`` bytes of ``src`` from ``offset``, in chunks; the offset in the data file."""
+        start = self._size
+        src.seek(offset)
+        left = length
+        while left:
+            chunk = src.read(min(left, _COPY_CHUNK))
+            if not chunk:
+                raise ModelFileError(f"{src.name} ends before the tensor's {length} bytes at offset {offset}")
+            self.append(chunk)
+            progress.update(len(chunk))
+            left -= len(chunk)
+        return start
+
+    def commit(self, model: onnx.ModelProto, store: TensorStore) -> bool:
+        """Write ``model`` (one file, or with ``<out>.data`` when big) and rename into place; True if external."""
+        assert self._data is not None
+        external = model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        self._data.flush()
+        if external:
+            store.externalize(model)
+        else:
+            store.inline(model)
+        self._data.close()
+        with _create(self.tmp_model) as f:
+            f.write(model.SerializeToString())
+        if external:
+            os.replace(self.tmp_data, self.final_data)
+        os.replace(self.tmp_model, self.out)
+        return external
+
+
+def _same(a: str | os.PathLike, b: str) -> bool:
+    if os.path.realpath(a) == b:
+        return True
+    try:
+        return os.path.exists(a) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output(out: Path, data: Path, input_files: set[str] | frozenset[str]) -> None:
+    """Raise ModelFileError unless ``out`` (and its ``data`` file) can be written without touching an input file."""
+    for path in (out, data):
+        for used in input_files:
+            if _same(path, used):
+                what = "output path is the input model or" if path == out else "the output's data file is"
+                raise ModelFileError(f"{path}: {what} a file the input model reads ({used}); choose another output")
+    if out.is_dir():
+        raise ModelFileError(f"{out}: is a folder; give a file name for the output")
+    if not out.parent.is_dir():
+        raise ModelFileError(f"{out}: folder {out.parent} does not exist")
+    if data.is_dir():
+        raise ModelFileError(f"{data}: is a folder; the output's data file would go there")
