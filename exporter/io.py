@@ -300,7 +300,7 @@ class TensorStore:
             if tensor.data_location == _EXTERNAL:
                 data = self.read_bytes(tensor)
                 del tensor.external_data[:]
-                tensor.data_location = onnx.TensorProto.DEFAULT
+                tensor.ClearField("data_location")
                 tensor.raw_data = data
 
     def externalize(self, model: onnx.ModelProto) -> None:

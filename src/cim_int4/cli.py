@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="node names (or regular expressions matching whole names) to leave in FP32; may be repeated",
     )
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("validate", help="compare an INT4 model with its FP32 original, tensor by tensor")
@@ -89,17 +89,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _is_ort_error(e: BaseException) -> bool:
+    # ORT's Python errors (Fail, InvalidArgument, ...) derive from Exception only; tell them by module.
+    return type(e).__module__.startswith("onnxruntime")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``cim-int4`` command; returns the exit code."""
+    """Entry point of the ``cim-int4`` command; returns the exit code (1 error, 3 nothing to quantize, 4 ORT)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, FileNotFoundError) as e:
+    except (ExportError, ValueError) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""
+        print(f"cim-int4: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cim-int4: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not _is_ort_error(e):
+            raise
+        print(f"cim-int4: onnxruntime error: {_one_line(e)}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":
