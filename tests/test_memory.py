@@ -1,0 +1,69 @@
+"""A session's memory: RSS growth of an INT4 session over its weight bytes, measured in a fresh process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import onnx
+import pytest
+from cim_int4.graphs import matmul_chain
+from cim_int4.ops.names import OP_TYPE
+from onnx import helper, numpy_helper
+
+from cim_int4 import export_int4
+
+SESSION_RSS = """
+import sys
+import numpy as np
+from cim_int4 import make_session
+from cim_int4.graphs import matmul_chain
+from cim_int4 import export_int4
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+warm = make_session(export_int4(matmul_chain(1, 64), quiet=True), threads=1)  # library and ORT first-use costs
+warm.run(None, {"x": np.ones((1, 64), np.float32)})
+before = rss()
+sess = make_session(sys.argv[1], threads=1)
+sess.run(None, {"x": np.ones((1, int(sys.argv[2])), np.float32)})
+print(rss() - before)
+"""
+
+
+def int4_weight_bytes(model: onnx.ModelProto) -> int:
+    total = 0
+    for node in model.graph.node:
+        if node.op_type == OP_TYPE:
+            for a in node.attribute:
+                if a.name in ("packed", "scales", "bias"):
+                    total += numpy_helper.to_array(helper.get_attribute_value(a)).nbytes
+    return total
+
+
+@pytest.fixture(scope="module")
+def rss_ratio(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """RSS growth of a session on an 8 x 2048x2048 INT4 chain (~18 MB of weights) over its weight bytes."""
+    dim = 2048
+    path = tmp_path_factory.mktemp("memory") / "chain.int4.onnx"
+    model = export_int4(matmul_chain(8, dim), path, quiet=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SESSION_RSS), str(path), str(dim)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip()) / int4_weight_bytes(model)
+
+
+def test_session_holds_its_weights(rss_ratio: float) -> None:
+    # The measurement sees the weights: a session cannot run without holding them once.
+    assert rss_ratio >= 0.9, rss_ratio
+
+
+@pytest.mark.xfail(strict=False, reason="needs the issue 6 repack")
+def test_session_rss_over_int4_weight_bytes(rss_ratio: float) -> None:
+    assert rss_ratio <= 2.1, f"session RSS grew by {rss_ratio:.2f}x its INT4 weight bytes"
