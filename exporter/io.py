@@ -121,15 +121,19 @@ def _fields(buf: mmap.mmap | bytes, pos: int, end: int) -> Iterator[tuple[int, i
         pos = stop
 
 
-def _field_bytes(field: int, payload: bytes) -> bytes:
-    key, size = (field << 3) | 2, len(payload)
+def _field_head(field: int, size: int) -> bytes:
+    """Key and length of a length-delimited field."""
     out = bytearray()
-    for value in (key, size):
+    for value in ((field << 3) | 2, size):
         while value >= 0x80:
             out.append((value & 0x7F) | 0x80)
             value >>= 7
         out.append(value)
-    return bytes(out) + payload
+    return bytes(out)
+
+
+def _field_bytes(field: int, payload: bytes) -> bytes:
+    return _field_head(field, len(payload)) + payload
 
 
 def _lazy_tensor(buf: mmap.mmap, start: int, end: int, path: str) -> bytes:
@@ -330,6 +334,44 @@ class TensorStore:
         return total
 
 
+def _without(message, names: tuple[str, ...]):
+    """A copy of ``message`` without the fields ``names`` (which are not copied at all)."""
+    head = type(message)()
+    for fd, value in message.ListFields():
+        if fd.name in names:
+            continue
+        if getattr(fd, "is_repeated", None) or getattr(fd, "label", None) == fd.LABEL_REPEATED:  # protobuf 7 / older
+            getattr(head, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(head, fd.name).CopyFrom(value)
+        else:
+            setattr(head, fd.name, value)
+    return head
+
+
+def _split_fields(data: bytes, *bounds: int) -> list[bytes]:
+    """``data``'s fields cut into runs by field number: below bounds[0], between bounds..., above the last."""
+    runs = [bytearray() for _ in range(len(bounds) + 1)]
+    for field, start, _, stop in _fields(data, 0, len(data)):
+        runs[sum(field > b for b in bounds)] += data[start:stop]
+    return [bytes(r) for r in runs]
+
+
+def write_model(f: BinaryIO, model: onnx.ModelProto) -> None:
+    """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time."""
+    graph = model.graph
+    # Protobuf writes fields in field-number order: ModelProto.graph is 7; GraphProto.node 1, initializer 5.
+    before, after = _split_fields(_without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
+    _, middle, rest = _split_fields(_without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
+    f.write(before + _field_head(_MODEL_GRAPH, graph.ByteSize()))
+    for node in graph.node:
+        f.write(_field_head(1, node.ByteSize()) + node.SerializeToString())
+    f.write(middle)
+    for tensor in graph.initializer:
+        f.write(_field_head(_GRAPH_INITIALIZER, tensor.ByteSize()) + tensor.SerializeToString())
+    f.write(rest + after)
+
+
 def _create(path: Path) -> BinaryIO:
     # os.open's mode goes through the umask, unlike mkstemp's fixed 0600.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -396,7 +438,7 @@ class OutputFiles:
             store.inline(model)
         self._data.close()
         with _create(self.tmp_model) as f:
-            f.write(model.SerializeToString())
+            write_model(f, model)
         if external:
             os.replace(self.tmp_data, self.final_data)
         os.replace(self.tmp_model, self.out)

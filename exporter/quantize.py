@@ -70,8 +70,24 @@ def pack(q: np.ndarray) -> np.ndarray:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
 
 
+# quantize() needs a few temporaries of the weight's size; big weights go in column blocks of this many bytes.
+_BLOCK_BYTES = 32 << 20
+
+
 def quantize_weight(w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedWeight:
     """Quantize and pack a float ``[K, N]`` weight into the attribute format."""
-    q, scales = quantize(np.asarray(w, dtype=np.float32), group_size)
+    w = np.asarray(w, dtype=np.float32)
+    check_group_size(group_size)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     k, n = w.shape
-    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=pack(q), scales=scales)
+    groups = -(-k // group_size)
+    packed = np.empty((n, groups * group_size // 2), dtype=np.uint8)
+    scales = np.empty((n, groups), dtype=np.float32)
+    # Output channels are independent: quantizing them in blocks bounds the temporaries.
+    step = max(1, _BLOCK_BYTES // max(1, 4 * groups * group_size))
+    for n0 in range(0, n, step):
+        q, s = quantize(w[:, n0 : n0 + step], group_size)
+        packed[n0 : n0 + step] = pack(q)
+        scales[n0 : n0 + step] = s
+    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import subprocess
@@ -93,6 +94,20 @@ def test_external_output_from_external_input_runs(
     # The unquantized biases were copied from the input's data file into the output's.
     loaded = onnx.load(out)
     assert {t.name for t in loaded.graph.initializer} == {"fc0.bias", "fc2.bias"}
+
+
+def test_write_model_gives_the_bytes_of_serialize_to_string() -> None:
+    # The exporter writes a one-file output node by node, not as one serialized copy of the model.
+    from cim_int4.graphs import LlamaConfig, llama_decoder
+
+    model = llama_decoder(LlamaConfig(hidden=64, intermediate=128, layers=1, heads=2))
+    model.doc_string = "model doc"
+    model.graph.doc_string = "graph doc"
+    model.metadata_props.add(key="k", value="v")
+    model.graph.value_info.add(name="extra")
+    buf = io.BytesIO()
+    exporter_io.write_model(buf, model)
+    assert buf.getvalue() == model.SerializeToString()
 
 
 # ---------------------------------------------------------------- bad external data: one-line errors

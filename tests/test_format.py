@@ -206,3 +206,16 @@ def test_exported_node_attributes_pinned_byte_for_byte() -> None:
     assert numpy_helper.to_array(scales).astype("<f4").tobytes() == expected_scales
     assert not any(t.name == "w" for t in out.graph.initializer)
     onnx.checker.check_model(out)
+
+
+def test_quantize_weight_in_column_blocks_is_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Big weights are quantized a block of output channels at a time to bound the temporaries.
+    import sys
+
+    module = sys.modules["cim_int4.exporter.quantize"]
+    w = np.random.default_rng(11).standard_normal((1000, 300)).astype(np.float32)
+    whole = quantize_weight(w, 64)
+    monkeypatch.setattr(module, "_BLOCK_BYTES", 4096)  # one channel (16 groups of 64) per block
+    blocks = quantize_weight(w, 64)
+    assert blocks.packed.tobytes() == whole.packed.tobytes()
+    assert blocks.scales.tobytes() == whole.scales.tobytes()
