@@ -23,7 +23,7 @@ U32 = 2.0**-24
 
 Dim = int | str
 
-# The CPUs this process may use, read before any session pins the calling thread.
+# The CPUs this process may use, read before any test narrows them.
 INITIAL_CPUS = frozenset(os.sched_getaffinity(0))
 
 
@@ -123,7 +123,7 @@ def available_kernels() -> tuple[str, ...]:
 
 @pytest.fixture(autouse=True)
 def _restore_affinity() -> Iterator[None]:
-    # make_session pins the calling thread to one CPU; each test starts with all of them.
+    # Tests may narrow the process's CPU mask (make_session no longer does); each starts with all of them.
     os.sched_setaffinity(0, INITIAL_CPUS)
     yield
     os.sched_setaffinity(0, INITIAL_CPUS)

@@ -314,3 +314,13 @@ def test_export_memory_stays_bounded(layout: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     growth = int(proc.stdout.strip())
     assert growth <= 0.75 * size, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_on_big_models_unless_quiet(
+    quiet: bool, tmp_path: Path, external_model: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(exporter_io, "PROGRESS_MIN_BYTES", 1)  # every model counts as big
+    export_int4(external_model, tmp_path / "out.onnx", quiet=quiet)
+    err = capsys.readouterr().err
+    assert ("cim-int4 export" in err) != quiet, err
