@@ -1,6 +1,6 @@
 """A bounded, seeded fuzz run of CimInt4MatMul in child processes: no crash, no hang, clean errors or right answers.
 
-``CIM_INT4_FUZZ_CASES`` (default 3000) and ``CIM_INT4_FUZZ_START`` (default 0) choose the seeds;
+``CIM_INT4_FUZZ_CASES`` (default 5000) and ``CIM_INT4_FUZZ_START`` (default 0) choose the seeds;
 the sanitizer stage of .ci/run runs a slice. Cases that need the lead's C++ fixes of issue 9
 (#2 overflow-checked attribute sizes, #3 the portable kernel) are checked by their own xfail tests.
 """
@@ -21,7 +21,7 @@ from harness import (
     run_cases,
 )
 
-CASES = int(os.environ.get("CIM_INT4_FUZZ_CASES", "3000"))
+CASES = int(os.environ.get("CIM_INT4_FUZZ_CASES", "5000"))
 START = int(os.environ.get("CIM_INT4_FUZZ_START", "0"))
 WORKERS = 2
 
