@@ -76,6 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
             max_rounds=DEMO_ROUNDS[1],
             max_time=DEMO_SECONDS_PER_CASE,
             retries=0,
+            memory=False,  # a fresh process per variant: `cim-int4 bench` measures it
         )
         report = bench.run_suite(suite, threads=[threads], progress=bench.Progress(quiet=True))
         print(bench.format_header(report))

@@ -1,0 +1,7 @@
+"""``python -m cim_int4.bench``: the same as ``cim-int4 bench``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
