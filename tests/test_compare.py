@@ -124,6 +124,39 @@ def test_a_kernel_misreading_the_format_is_found_at_exactly_that_layer(chain, mo
     assert "outside the bound" in report.summary()
 
 
+def test_compute_mode_is_set_per_session_and_holds_each_layer_to_it(chain, monkeypatch) -> None:
+    fp32, int4 = chain
+    real = compare_module.make_session
+    configs = []
+
+    class Int8Kernel:
+        """What a library honouring cim_int4.compute=int8 computes for a layer alone."""
+
+        def __init__(self, model: onnx.ModelProto) -> None:
+            self.attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+
+        def run(self, names, feeds):
+            a = self.attrs
+            packed, scales = numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"])
+            return [reference.emulate(feeds["A"], packed, scales, a["K"], a["group_size"], compute="int8")]
+
+    def session(model, config=None, **kwargs):
+        configs.append(dict(config or {}))
+        if isinstance(model, onnx.ModelProto) and model.graph.name == "alone":
+            return Int8Kernel(model)
+        return real(model, config=config, **kwargs)
+
+    monkeypatch.setattr(compare_module, "make_session", session)
+    report = compare_module.compare(fp32, int4, dims={"M": 4}, compute="int8")
+    assert report.first_divergent is None and {c.compute for c in report.layers} == {"int8"}
+    assert configs and all(c.get("cim_int4.compute") == "int8" for c in configs)
+    # The same int8 results held to the nodes' own mode (fp32, no attribute) are far outside its rounding.
+    report = compare_module.compare(fp32, int4, dims={"M": 4})
+    assert report.first_divergent == _layers(int4)[0].name and not report.layers[0].kernel_ok
+    with pytest.raises(cim_int4.CompareError, match="compute must be one of"):
+        compare_module.compare(fp32, int4, compute="int4")
+
+
 def test_int8_bound_holds_the_emulation_and_rejects_fp32_arithmetic() -> None:
     rng = np.random.default_rng(0)
     k, n, g = 512, 48, 32

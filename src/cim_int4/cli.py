@@ -41,6 +41,7 @@ def _validate(args: argparse.Namespace) -> int:
         threads=args.threads,
         extra=args.extra,
         all_tensors=args.all,
+        compute=args.compute,
     )
     print(report.format_table())
     print(report.summary())
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name fully matches")
     p.add_argument("--all", action="store_true", help="compare every tensor both models compute")
+    p.add_argument(
+        "--compute",
+        choices=("fp32", "int8"),
+        default=None,
+        help="run every CimInt4MatMul in this compute mode (session config cim_int4.compute; default: each node's own)",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
     p.add_argument("--json", metavar="OUT.json", help="also write the rows and the verdict as JSON")

@@ -41,6 +41,7 @@ from onnx import helper, numpy_helper
 from .exporter.rewrite import DEFAULT_DOMAINS, _Constants, _Ineligible, _matmul_operands
 from .graphs import model_feeds
 from .ops import OP_DOMAIN, OP_TYPE, make_session, reference, session_options
+from .ops.names import COMPUTE_CONFIG
 from .report import plot_by_depth, text_table
 
 ModelSource = str | os.PathLike | onnx.ModelProto
@@ -378,11 +379,13 @@ def _check_layer(
     fp32: _Model | None = None,
     fp32_node: onnx.NodeProto | None = None,
     fp32_out: np.ndarray | None = None,
+    compute: str | None = None,
 ) -> LayerCheck:
     """Check ``node`` (a CimInt4MatMul of ``model``): run alone on ``a``, and its weights against ``fp32_node``'s."""
     label = node.name or node.output[0]
-    compute_attr = _attr(node, "compute")
-    compute = compute_attr.s.decode() if compute_attr is not None else "fp32"
+    if compute is None:
+        compute_attr = _attr(node, "compute")
+        compute = compute_attr.s.decode() if compute_attr is not None else "fp32"
     attrs = {}
     arrays: dict[str, np.ndarray] = {}
     for at in node.attribute:
@@ -400,7 +403,8 @@ def _check_layer(
     )
     one = helper.make_model(graph, opset_imports=list(model.proto.opset_import), ir_version=model.proto.ir_version)
     try:
-        (got,) = make_session(one, threads=threads).run(None, {"A": np.asarray(a, dtype=np.float32)})
+        session = make_session(one, threads=threads, config=_compute_config(compute))
+        (got,) = session.run(None, {"A": np.asarray(a, dtype=np.float32)})
         k, g = int(_attr(node, "K").i), int(_attr(node, "group_size").i) if _attr(node, "group_size") else 32
         if compute not in reference.COMPUTE_MODES:
             raise ValueError(f"attribute compute={compute!r} is not one of {reference.COMPUTE_MODES}")
@@ -446,6 +450,10 @@ def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, floa
     return rel, max_abs, cosine, snr
 
 
+def _compute_config(compute: str | None) -> dict[str, str]:
+    return {} if compute is None else {COMPUTE_CONFIG: compute}
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -462,17 +470,22 @@ def compare(
     threads: int | None = None,
     extra: str | None = None,
     all_tensors: bool = False,
+    compute: str | None = None,
 ) -> Report:
     """Compare ``int4_model`` with ``fp32_model`` (paths or ModelProtos) tensor by tensor, and check each layer alone.
 
     ``feeds``: a dict or an ``.npz`` path; inputs it lacks are generated (see
     ``cim_int4.graphs.feeds``: ``dims`` for symbolic dims, ``int_range`` for integer
     inputs). ``extra`` (a regex on tensor names) or ``all_tensors`` add rows beyond the
-    quantized layers' outputs and the graph outputs. Raises CompareError (a ValueError)
+    quantized layers' outputs and the graph outputs. ``compute`` ("fp32" | "int8") runs the
+    INT4 model with that mode for every node (session config ``cim_int4.compute``) and holds
+    the layers to it; by default each node's own ``compute`` attribute decides. Raises CompareError (a ValueError)
     naming what differs when the models do not match.
     """
     from .graphs import load_feeds
 
+    if compute is not None and compute not in reference.COMPUTE_MODES:
+        raise CompareError(f"compute must be one of {', '.join(reference.COMPUTE_MODES)}, got {compute!r}")
     fp32, int4 = _Model(fp32_model, "FP32"), _Model(int4_model, "INT4")
     _check_same_interface(fp32.proto, int4.proto)
     given = load_feeds(feeds) if isinstance(feeds, str | os.PathLike) else feeds
@@ -509,12 +522,13 @@ def compare(
             fp32,
             producers.get(n.output[0]),
             ref.get(n.output[0]),
+            compute,
         )
         for n in layers
     }
 
     try:
-        sess = make_session(int4.with_outputs(names), threads=threads, config=int4.config())
+        sess = make_session(int4.with_outputs(names), threads=threads, config=int4.config() | _compute_config(compute))
         got = dict(zip(names, sess.run(names, feeds), strict=True))
     except Exception as e:  # noqa: BLE001
         bad = next((c for c in checks.values() if not c.ok), None)

@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from ..exporter import export_with_summary
-from ..ops.names import OP_DOMAIN, OP_TYPE
+from ..ops.names import COMPUTE_CONFIG, OP_DOMAIN, OP_TYPE
 from .errors import BenchError
 
 BLOCK_SIZE = 32
@@ -110,9 +110,8 @@ BASELINES: tuple[Variant, ...] = (
         check=nbits_quantizer,
     ),
 )
-# The session config entry that chooses CimInt4MatMul's compute mode for every node of a
-# session ("fp32" | "int8"); a library that does not know it runs each node's own mode.
-COMPUTE_CONFIG = "cim_int4.compute"
+# COMPUTE_CONFIG chooses CimInt4MatMul's compute mode for every node of a session; a library
+# that does not know it runs each node's own mode.
 # CimInt4MatMul, one entry per compute mode, each beside the MatMulNBits of the same activation precision.
 COMPUTE_MODES: tuple[Variant, ...] = (
     Variant(
