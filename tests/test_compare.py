@@ -176,6 +176,10 @@ def test_tensor_error_metrics() -> None:
     rel, max_abs, cos, snr = tensor_error(ref, np.array([3.0, 4.5]))
     assert rel == pytest.approx(0.1) and max_abs == pytest.approx(0.5) and snr == pytest.approx(20.0)
     assert cos == pytest.approx((9 + 18) / (5 * math.hypot(3, 4.5)))
+    # A mask's -inf on both sides is no difference; on one side only it is an infinite one.
+    masked = np.array([3.0, -np.inf, 4.0])
+    assert tensor_error(masked, masked.copy()) == (0.0, 0.0, 1.0, math.inf)
+    assert tensor_error(masked, np.array([3.0, 0.0, 4.0]))[:2] == (math.inf, math.inf)
 
 
 # ---------------------------------------------------------------- models with integer and bool inputs

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "validate",
         help="compare an INT4 model with its FP32 original tensor by tensor, and check each quantized layer alone",
-        description="Exit code 0: every CimInt4MatMul matches its dequantized weights run alone; "
+        description="Exit code 0: every CimInt4MatMul computes its dequantized weights and they round the FP32 ones; "
         f"{DIVERGED}: a layer diverges (named in the last line); 1: the models cannot be compared.",
     )
     p.add_argument("fp32", help="the FP32 .onnx model (external data is read in place)")

@@ -269,6 +269,11 @@ def compared_tensors(int4: onnx.ModelProto, extra: str | None = None, all_tensor
     """In graph order: outputs of CimInt4MatMul nodes, of nodes matching ``extra`` (or all), and the graph outputs."""
     pattern = re.compile(extra) if extra else None
     outputs = {o.name for o in int4.graph.output}
+    # Tensors computed from constants alone (Constant, Identity of a weight, ...) cannot differ.
+    constant = {t.name for t in int4.graph.initializer}
+    for node in int4.graph.node:
+        if not _is_int4(node) and all(i in constant for i in node.input if i):
+            constant.update(node.output)
     names = []
     for node in int4.graph.node:
         for i, out in enumerate(node.output):
@@ -277,7 +282,7 @@ def compared_tensors(int4: onnx.ModelProto, extra: str | None = None, all_tensor
             if (
                 (_is_int4(node) and i == 0)
                 or out in outputs
-                or all_tensors
+                or (all_tensors and out not in constant)
                 or (pattern is not None and pattern.fullmatch(out))
             ):
                 names.append(out)
@@ -437,16 +442,25 @@ def _check_layer(
 
 
 def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, float, float]:
-    """(rel L2, max |diff|, cosine, SNR dB) of ``int4`` against ``fp32``."""
+    """(rel L2, max |diff|, cosine, SNR dB) of ``int4`` against ``fp32``.
+
+    Equal non-finite values (the -inf of an attention mask) count as no difference and
+    stay out of the norms; a non-finite value on one side only is an infinite difference.
+    """
     r, g = np.asarray(fp32, np.float64).ravel(), np.asarray(int4, np.float64).ravel()
     if r.shape != g.shape:
         raise CompareError(f"shapes differ: FP32 {np.shape(fp32)}, INT4 {np.shape(int4)}")
-    norm, diff = np.linalg.norm(r), np.linalg.norm(g - r)
+    finite = np.isfinite(r) & np.isfinite(g)
+    equal = (r == g) | (np.isnan(r) & np.isnan(g))
+    with np.errstate(invalid="ignore"):  # inf - inf where not finite: replaced below
+        d = np.where(finite, g - r, np.where(equal, 0.0, np.inf))
+    r, g = np.where(finite, r, 0.0), np.where(finite, g, 0.0)
+    norm, diff = np.linalg.norm(r), np.linalg.norm(d)
     denom = norm * np.linalg.norm(g)
     rel = float(diff / norm) if norm > 0 else float(diff)
-    max_abs = float(np.max(np.abs(g - r))) if r.size else 0.0
+    max_abs = float(np.max(np.abs(d))) if d.size else 0.0
     cosine = float(r @ g / denom) if denom > 0 else (1.0 if diff == 0 else 0.0)
-    snr = math.inf if diff == 0 else (20 * math.log10(norm / diff) if norm > 0 else -math.inf)
+    snr = math.inf if diff == 0 else (20 * math.log10(norm / diff) if norm > 0 and math.isfinite(diff) else -math.inf)
     return rel, max_abs, cosine, snr
 
 
