@@ -330,7 +330,7 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys: pytest.
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["--tiny", "--threads", "1", "--json", str(out_json)]
+    argv = ["--tiny", "--threads", "1", "--no-memory", "--json", str(out_json)]
     plotting = importlib.util.find_spec("matplotlib") is not None
     if plotting:
         argv += ["--plot", str(out_png)]
@@ -339,7 +339,9 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys: pytest.
     tiny_cases = bench.SUITES["tiny"].cases([1])
     for case in tiny_cases:
         assert case.name in out
+    assert "session/int4" not in out  # --no-memory
     data = json.loads(out_json.read_text())
+    assert data["memory"] == []
     assert {(e["case"], e["variant"]) for e in data["results"]} == {
         (c.name, v) for c in tiny_cases for v in VARIANT_NAMES
     }
@@ -359,12 +361,16 @@ def test_cli_warm_run_takes_no_bandwidth_samples(tmp_path, capsys: pytest.Captur
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out_json = tmp_path / "warm.json"
-    argv = ["--tiny", "--warm", "--threads", "1", "--variants", "cim-int4 fp32", "--no-memory", "--json", str(out_json)]
+    argv = ["--tiny", "--warm", "--threads", "1", "--variants", "cim-int4 fp32", "--json", str(out_json)]
     assert bench.run(parser.parse_args(argv)) == 0
     out = capsys.readouterr().out
-    assert "cache: warm" in out and "session/int4" not in out
+    assert "cache: warm" in out and "session/int4" in out  # the memory table, for the variants run
     data = json.loads(out_json.read_text())
-    assert {e["variant"] for e in data["results"]} == {"fp32", "cim-int4 fp32"} and data["memory"] == []
+    assert {e["variant"] for e in data["results"]} == {"fp32", "cim-int4 fp32"}
+    workloads = [w.name for w in bench.SUITES["tiny"].workloads]
+    assert [(m["workload"], m["variant"]) for m in data["memory"]] == [
+        (w, v) for w in workloads for v in ("fp32", "cim-int4 fp32")
+    ]
     assert all(not e["bandwidth_samples"] and e["pct_of_bandwidth"] > 0 for e in data["results"])
 
 
