@@ -17,9 +17,10 @@ from cim_int4.ops.names import OP_TYPE
 from onnx import TensorProto, helper, numpy_helper
 
 import cim_int4
+from cim_int4 import layercheck
 from cim_int4 import validate as compare_module
 from cim_int4.cli import DIVERGED, main
-from cim_int4.validate import _expected, tensor_error
+from cim_int4.layercheck import expected, tensor_error
 
 VOCAB = 50
 
@@ -108,7 +109,7 @@ class _MisreadingSession:
 
 def test_a_kernel_misreading_the_format_is_found_at_exactly_that_layer(chain, monkeypatch) -> None:
     fp32, int4 = chain
-    real = compare_module.make_session
+    real = layercheck.make_session
     target = _layers(int4)[1].name
 
     def session(model, **kwargs):
@@ -116,7 +117,7 @@ def test_a_kernel_misreading_the_format_is_found_at_exactly_that_layer(chain, mo
             return _MisreadingSession(model)
         return real(model, **kwargs)
 
-    monkeypatch.setattr(compare_module, "make_session", session)
+    monkeypatch.setattr(layercheck, "make_session", session)
     report = compare_module.compare(fp32, int4, dims={"M": 3})
     assert report.first_divergent == target
     bad = report.layers[1]
@@ -146,6 +147,7 @@ def test_compute_mode_is_set_per_session_and_holds_each_layer_to_it(chain, monke
             return Int8Kernel(model)
         return real(model, config=config, **kwargs)
 
+    monkeypatch.setattr(layercheck, "make_session", session)
     monkeypatch.setattr(compare_module, "make_session", session)
     report = compare_module.compare(fp32, int4, dims={"M": 4}, compute="int8")
     assert report.first_divergent is None and {c.compute for c in report.layers} == {"int8"}
@@ -162,7 +164,7 @@ def test_int8_bound_holds_the_emulation_and_rejects_fp32_arithmetic() -> None:
     k, n, g = 512, 48, 32
     qw = quantize_weight(weight_matrix(rng, k, n), g)
     a = rng.standard_normal((3, k), dtype=np.float32)
-    want, bound = _expected(a, qw.packed, qw.scales, k, g, None, "int8")
+    want, bound = expected(a, qw.packed, qw.scales, k, g, None, "int8")
     emulated = reference.emulate(a, qw.packed, qw.scales, k, g, compute="int8")
     assert np.all(np.abs(emulated - want) <= bound)
     # FP32 activations differ from int8 ones by far more than int8 rounding allows: a mode mix-up shows.
