@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .exporter import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, ExportError, NothingToQuantize, export_int4
+from .report import MissingPlotting
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -20,16 +21,37 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# Exit code of ``validate`` when a quantized layer does not match its dequantized weights.
+DIVERGED = 4
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from .exporter import load_model
-    from .graphs import random_input
+    from .report import check_plotting, write_json
     from .validate import compare
 
-    fp32, int4 = load_model(args.fp32), load_model(args.int4)
-    feeds = random_input(fp32, dict(args.dim or []), seed=args.seed)
-    for e in compare(fp32, int4, feeds, threads=args.threads, extra=args.extra):
-        print(e.format())
-    return 0
+    if args.plot:
+        check_plotting()  # before the work, not after it
+    report = compare(
+        args.fp32,
+        args.int4,
+        args.feeds,
+        dims=dict(args.dim or []),
+        int_range=args.int_range,
+        seed=args.seed,
+        threads=args.threads,
+        extra=args.extra,
+        all_tensors=args.all,
+        compute=args.compute,
+    )
+    print(report.format_table())
+    print(report.summary())
+    if args.json:
+        write_json(report.to_json(), args.json)
+        print(f"cim-int4: wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot)
+        print(f"cim-int4: wrote {args.plot}")
+    return DIVERGED if report.first_divergent else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -43,6 +65,17 @@ def _dim(text: str) -> tuple[str, int]:
     if not sep or not value.isdigit():
         raise argparse.ArgumentTypeError(f"expected NAME=INT for a symbolic dimension, got {text!r}")
     return name, int(value)
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        values = int(low), int(high)
+    except ValueError:
+        values = None
+    if not sep or values is None or values[0] >= values[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH integers with LOW < HIGH (HIGH exclusive), got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,13 +99,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("validate", help="compare an INT4 model with its FP32 original, tensor by tensor")
-    p.add_argument("fp32")
-    p.add_argument("int4")
+    p = sub.add_parser(
+        "validate",
+        help="compare an INT4 model with its FP32 original tensor by tensor, and check each quantized layer alone",
+        description="Exit code 0: every CimInt4MatMul computes its dequantized weights and they round the FP32 ones; "
+        f"{DIVERGED}: a layer diverges (named in the last line); 1: the models cannot be compared.",
+    )
+    p.add_argument("fp32", help="the FP32 .onnx model (external data is read in place)")
+    p.add_argument("int4", help="the INT4 .onnx model exported from it")
+    p.add_argument("--feeds", metavar="DATA.npz", help="input values by input name; missing inputs are generated")
+    p.add_argument(
+        "--dim",
+        type=_dim,
+        action="append",
+        metavar="NAME=INT",
+        help="value of a symbolic input dim (default: 8 for seq-like names, 1 for other names, 4 unnamed)",
+    )
+    p.add_argument(
+        "--int-range",
+        type=_int_range,
+        metavar="LOW:HIGH",
+        help="generated integer inputs in [LOW, HIGH) (default: the vocabulary of a Gather reading the input, "
+        "ones for *mask*, else 0:16)",
+    )
+    p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name fully matches")
+    p.add_argument("--all", action="store_true", help="compare every tensor both models compute")
+    p.add_argument(
+        "--compute",
+        choices=("fp32", "int8"),
+        default=None,
+        help="run every CimInt4MatMul in this compute mode (session config cim_int4.compute; default: each node's own)",
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dim", type=_dim, action="append", metavar="NAME=INT", help="value of a symbolic input dim")
-    p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name matches")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    p.add_argument("--json", metavar="OUT.json", help="also write the rows and the verdict as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw the error by layer depth (needs matplotlib)")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
@@ -97,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, FileNotFoundError) as e:
+    except (ExportError, ValueError, FileNotFoundError, MissingPlotting) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
 
