@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+import onnx
+
 from .exporter import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, ExportError, NothingToQuantize, export_int4
+from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -25,10 +29,28 @@ def _validate(args: argparse.Namespace) -> int:
     from .graphs import random_input
     from .validate import compare
 
+    if args.backend == "reference":
+        extensions_library()  # fail before the long runs when the extra is missing
     fp32, int4 = load_model(args.fp32), load_model(args.int4)
     feeds = random_input(fp32, dict(args.dim or []), seed=args.seed)
     for e in compare(fp32, int4, feeds, threads=args.threads, extra=args.extra):
         print(e.format())
+    if args.backend == "reference":
+        return _crosscheck(int4, feeds, args.threads)
+    return 0
+
+
+def _crosscheck(int4: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int | None) -> int:
+    from .crosscheck import crosscheck
+
+    print("\nnative op vs reference op (same INT4 model, same inputs):")
+    report = crosscheck(int4, feeds, threads=threads)
+    for layer in report:
+        print(layer.format())
+    bad = [layer.node for layer in report if not layer.ok]
+    if bad:
+        print(f"cim-int4: native and reference ops disagree beyond FP32 rounding in {', '.join(bad)}", file=sys.stderr)
+        return 4
     return 0
 
 
@@ -73,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=_dim, action="append", metavar="NAME=INT", help="value of a symbolic input dim")
     p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name matches")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--backend",
+        choices=("native", "reference"),
+        default="native",
+        help="reference: also run the INT4 model on the NumPy reference op and check the native op against it",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
@@ -97,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, FileNotFoundError) as e:
+    except (ExportError, ValueError, FileNotFoundError, ReferenceBackendUnavailable) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
 
