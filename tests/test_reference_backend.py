@@ -182,3 +182,14 @@ def test_both_backends_one_after_the_other() -> None:
     assert results[0].tobytes() == results[2].tobytes() and results[1].tobytes() == results[3].tobytes()
     assert (np.abs(results[0] - results[1]) <= 2 * reference.error_bound(a, qw.packed, qw.scales, 128, 32)).all()
     assert sum(op.op_type == REFERENCE_OP for op in Opdef._odlist.values()) == 1
+
+
+def test_failure_inside_the_op_gives_nan_and_a_message_not_an_abort(monkeypatch, capsys) -> None:
+    # onnxruntime-extensions aborts the process when a Python op raises; the op must not.
+    def broken(*args, **attrs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(reference_backend, "run_node", broken)
+    y = run(op_model(op_attributes(quantized(64, 4)), [None]), np.ones((2, 64), np.float32))
+    assert y.shape == (2, 4) and np.isnan(y).all()
+    assert "CimInt4MatMulReference node 'op0' failed: out of memory" in capsys.readouterr().err

@@ -110,8 +110,9 @@ def crosscheck(
     layers = [(node, node_weights(node)) for node in int4_model.graph.node if is_cim_node(node)]
     if not layers:
         raise ValueError(f"the model has no {OP_TYPE} node to cross-check")
-    constants = {t.name: numpy_helper.to_array(t) for t in int4_model.graph.initializer}
-    known = {**constants, **feeds}
+    inputs = {node.input[0] for node, _ in layers}
+    known = {t.name: numpy_helper.to_array(t) for t in int4_model.graph.initializer if t.name in inputs}
+    known.update(feeds)
     names = [name for node, _ in layers for name in (node.input[0], node.output[0]) if name not in known]
     names = list(dict.fromkeys(names))
     model = _with_outputs(int4_model, names)
