@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
 from ..exporter.api import EXTERNAL_DATA_THRESHOLD, load_model
@@ -216,7 +217,10 @@ def load_source(model: ModelSource) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, bytes):
-        return onnx.load_model_from_string(model)
+        try:
+            return onnx.load_model_from_string(model)
+        except DecodeError as e:
+            raise ValueError(f"the model bytes are not a readable ONNX model ({e})") from None
     return load_model(model)
 
 

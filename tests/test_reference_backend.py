@@ -110,6 +110,13 @@ def test_empty_leading_dim_gives_empty_output() -> None:
     assert y.shape == (0, 7) and y.dtype == np.float32
 
 
+def test_unreadable_model_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a readable ONNX model"):
+        make_session(b"\x08\xff\xff", backend="reference")
+    with pytest.raises(Exception, match=str(tmp_path / "missing.onnx")):
+        make_session(tmp_path / "missing.onnx", backend="reference")
+
+
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
         make_session(op_model(op_attributes(quantized(64, 4)), [None]), backend="numpy")
