@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import onnx
+
 from .exporter import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, ExportError, NothingToQuantize, export_int4
+from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 
 
@@ -31,6 +34,8 @@ def _validate(args: argparse.Namespace) -> int:
 
     if args.plot:
         check_plotting()  # before the work, not after it
+    if args.backend == "reference":
+        extensions_library()  # fail before the long runs when the extra is missing
     report = compare(
         args.fp32,
         args.int4,
@@ -51,7 +56,30 @@ def _validate(args: argparse.Namespace) -> int:
     if args.plot:
         report.write_plot(args.plot)
         print(f"cim-int4: wrote {args.plot}")
-    return DIVERGED if report.first_divergent else 0
+    status = DIVERGED if report.first_divergent else 0
+    if args.backend == "reference":
+        status = _crosscheck(args) or status
+    return status
+
+
+def _crosscheck(args: argparse.Namespace) -> int:
+    from .crosscheck import crosscheck
+    from .graphs import load_feeds, model_feeds
+    from .layercheck import Model
+
+    int4 = Model(args.int4, "INT4")
+    given = load_feeds(args.feeds) if args.feeds else None
+    # The same generator and seed as compare(): the same inputs.
+    feeds = model_feeds(int4.proto, given, dict(args.dim or []), seed=args.seed, int_range=args.int_range)
+    print("\nnative op vs reference op (same INT4 model, same inputs):")
+    report = crosscheck(onnx.load(args.int4), feeds, threads=args.threads, compute=args.compute)
+    for layer in report:
+        print(layer.format())
+    bad = [layer.node for layer in report if not layer.ok]
+    if bad:
+        print(f"cim-int4: native and reference ops disagree beyond FP32 rounding in {', '.join(bad)}", file=sys.stderr)
+        return DIVERGED
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -134,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
     p.add_argument("--json", metavar="OUT.json", help="also write the rows and the verdict as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw the error by layer depth (needs matplotlib)")
+    p.add_argument(
+        "--backend",
+        choices=("native", "reference"),
+        default="native",
+        help="reference: also run the INT4 model on the NumPy reference op and check the native op against it",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
@@ -158,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, FileNotFoundError, MissingPlotting) as e:
+    except (ExportError, ValueError, FileNotFoundError, MissingPlotting, ReferenceBackendUnavailable) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
 
