@@ -34,6 +34,21 @@ def _genai(args: argparse.Namespace) -> int:
     return 0
 
 
+def _genai_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .genai_bench import compare, format_comparison
+
+    report = compare(
+        args.folder, prompt_len=args.prompt_len, steps=args.steps, repeats=args.repeats, threads=args.threads
+    )
+    print(format_comparison(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
     from .exporter import load_model
     from .graphs import random_input
@@ -98,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_genai)
+
+    p = sub.add_parser("genai-bench", help="tokens/s in onnxruntime-genai: MatMulNBits vs CimInt4MatMul")
+    p.add_argument("folder", help="genai model folder whose decoder has MatMulNBits nodes (read, never modified)")
+    p.add_argument("--steps", type=int, default=32, help="new tokens per run")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: genai's)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=_genai_bench)
 
     p = sub.add_parser("validate", help="compare an INT4 model with its FP32 original, tensor by tensor")
     p.add_argument("fp32")

@@ -32,7 +32,7 @@ def default_output(source: str | os.PathLike) -> Path:
     return src.with_name(src.name + "-cim-int4")
 
 
-def _external_files(path: Path) -> set[str]:
+def external_files(path: Path) -> set[str]:
     """Names of the external data files a model file refers to (relative to its folder)."""
     try:
         proto = onnx.load(str(path), load_external_data=False)
@@ -106,7 +106,7 @@ def prepare(
             model_path = src / filename
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
-            data_files = _external_files(model_path)
+            data_files = external_files(model_path)
             rewritten, report = _rewrite(model_path, compute, group_size)
             if not quiet:
                 print(f"cim-int4: {filename} (model.{name}):\n{report}")
