@@ -17,7 +17,7 @@ from cim_int4.ops.names import OP_TYPE
 from cim_int4 import library_path
 from cim_int4.cli import main
 from cim_int4.genai import CONFIG_NAME, OPTION, default_output, prepare
-from cim_int4.genai_bench import agreement, compare, greedy, load, logits_along, with_accuracy_level
+from cim_int4.genai_bench import agreement, greedy, load, logits_along, with_accuracy_level
 
 og = pytest.importorskip("onnxruntime_genai")
 
@@ -105,12 +105,17 @@ def test_genai_needs_the_library(folders: dict[str, Path], tmp_path: Path) -> No
         og.Model(str(folder))
 
 
-def test_genai_bench_compare_smoke() -> None:
-    report = compare(INT4, prompt_len=4, steps=4, repeats=1, threads=1)
-    results = report["results"]
-    assert list(results) == ["MatMulNBits acc4", "MatMulNBits acc0", "cim-int4 fp32", "cim-int4 auto (int8 where acc4)"]
+def test_genai_bench_cli_smoke(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "r.json"
+    argv = ["genai-bench", str(INT4), "--prompt-len", "4", "--steps", "4", "--repeats", "1", "--threads", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    labels = ["MatMulNBits acc4", "MatMulNBits acc0", "cim-int4 fp32", "cim-int4 auto (int8 where acc4)"]
+    assert list(results) == labels
     assert all(r["decode_tokens_per_s"] > 0 and len(r["tokens"]) == 4 for r in results.values())
     assert results["cim-int4 fp32"]["tokens"] == results["MatMulNBits acc0"]["tokens"]
+    table = capsys.readouterr().out
+    assert all(label in table for label in labels)
 
 
 def test_cli_genai_default_output_and_refusals(tmp_path: Path, capsys) -> None:

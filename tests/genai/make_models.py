@@ -31,7 +31,7 @@ def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(lines)]
 
 
-def make_checkpoint(out: Path) -> None:
+def make_checkpoint(out: Path, hidden: int = 64, intermediate: int = 128, layers: int = 2) -> None:
     """Random-init Llama + tokenizer, saved with save_pretrained into ``out``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -51,11 +51,11 @@ def make_checkpoint(out: Path) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 16,
+        num_key_value_heads=hidden // 32,
         max_position_embeddings=256,
         # 0.02 (the default) makes a random model repeat one token; 0.1 gives varied tokens.
         initializer_range=0.1,
@@ -76,11 +76,16 @@ def build(src: Path, precision: str, out: Path, cache: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", type=Path, default=HERE)
+    # Bigger shapes make a model for timing (tokens/s), not for committing.
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--intermediate", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "int4"], default=["fp32", "int4"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "checkpoint"
-        make_checkpoint(src)
-        for precision in ("fp32", "int4"):
+        make_checkpoint(src, args.hidden, args.intermediate, args.layers)
+        for precision in args.precision:
             out = args.out / f"llama-{precision}"
             shutil.rmtree(out, ignore_errors=True)
             build(src, precision, out, Path(tmp) / "cache")
