@@ -2,10 +2,11 @@
 
 ``export_int4`` rewrites a model's MatMul/Gemm nodes into ``CimInt4MatMul``;
 ``make_session`` (or ``library_path`` with ``SessionOptions.register_custom_ops_library``)
-runs the result in ONNX Runtime.
+runs the result in ONNX Runtime; ``from_matmulnbits`` converts ORT MatMulNBits models.
 """
 
 from .exporter import ExportError, NothingToQuantize, export_int4
+from .exporter.convert import from_matmulnbits
 from .ops import OP_DOMAIN, OP_TYPE, OP_VERSION, library_path, make_session
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ExportError",
     "NothingToQuantize",
     "export_int4",
+    "from_matmulnbits",
     "library_path",
     "make_session",
 ]
