@@ -139,7 +139,7 @@ def _convert_node(node: onnx.NodeProto, consts: _Constants, compute: str) -> tup
         bias = bias.reshape(n)
 
     packed = b.reshape(n, blocks * block // 2)
-    if k % 2 or k % block:
+    if k % block:
         # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
         codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)
         codes[:, k:] = 8

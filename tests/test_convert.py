@@ -144,7 +144,7 @@ def one_node_model(node: onnx.NodeProto, inits: list[onnx.TensorProto], k: int) 
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-@pytest.mark.parametrize(("k", "block"), [(64, 16), (70, 32), (200, 64), (256, 256)])
+@pytest.mark.parametrize(("k", "block"), [(64, 16), (75, 16), (70, 32), (200, 64), (256, 256)])
 def test_hand_made_nodes_with_bias_and_zero_points_8(k: int, block: int, rng: np.random.Generator) -> None:
     n = 12
     qw = quantize_weight(random_weight(rng, k, n), block)

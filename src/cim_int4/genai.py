@@ -101,6 +101,7 @@ def prepare(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         replaced: set[str] = set()
+        reports = []
         for name, section in sections.items():
             filename = section["filename"]
             model_path = src / filename
@@ -108,8 +109,7 @@ def prepare(
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
             data_files = external_files(model_path)
             rewritten, report = _rewrite(model_path, compute, group_size)
-            if not quiet:
-                print(f"cim-int4: {filename} (model.{name}):\n{report}")
+            reports.append(f"{filename} (model.{name}):\n{report}")
             if rewritten is None:
                 continue
             save_model(rewritten, tmp / filename)
@@ -120,7 +120,7 @@ def prepare(
             # Relative to the model folder: genai accepts a library inside it and nothing outside.
             options[OPTION] = LIBRARY_NAME
         if not replaced:
-            raise ExportError(f"{src}: no model in the folder has MatMulNBits or FP32 MatMul/Gemm to convert")
+            raise ExportError(f"{src}: no model in the folder to convert\n" + "\n".join(reports))
         for item in src.iterdir():
             if item.name in replaced or item.name == CONFIG_NAME:
                 continue
@@ -136,5 +136,6 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not quiet:
+        print("\n".join(reports))
         print(f"cim-int4: wrote {out} (library {LIBRARY_NAME}, {OPTION} set in {CONFIG_NAME})")
     return out
