@@ -150,3 +150,21 @@ def test_folder_without_anything_to_convert(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="no model in the folder"):
         prepare(src, tmp_path / "out", quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / CONFIG_NAME).write_text("{not json"), "not readable JSON"),
+        (lambda d: (d / CONFIG_NAME).write_text('{"model": 3}'), "has no 'model' object"),
+        (lambda d: (d / "model.onnx").unlink(), "named by genai_config.json model.decoder.filename but missing"),
+        (lambda d: (d / "model.onnx").write_bytes(b"junk"), "not a readable ONNX model"),
+    ],
+)
+def test_cli_genai_bad_folder(damage, message: str, tmp_path: Path, capsys) -> None:
+    src = shutil.copytree(INT4, tmp_path / "model")
+    damage(src)
+    assert main(["genai", str(src), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "nothing written, no temporary folder left"
