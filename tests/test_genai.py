@@ -168,3 +168,20 @@ def test_cli_genai_bad_folder(damage, message: str, tmp_path: Path, capsys) -> N
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "nothing written, no temporary folder left"
+
+
+def test_model_in_a_subfolder(tmp_path: Path) -> None:
+    src = shutil.copytree(INT4, tmp_path / "model")
+    (src / "onnx").mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        (src / name).rename(src / "onnx" / name)
+    config = json.loads((src / CONFIG_NAME).read_text())
+    config["model"]["decoder"]["filename"] = "onnx/model.onnx"
+    (src / CONFIG_NAME).write_text(json.dumps(config))
+    out = prepare(src, tmp_path / "out", compute="fp32", quiet=True)
+    assert sorted(p.name for p in (out / "onnx").iterdir()) == ["model.onnx"]
+    prompt = prompts(1)[0]
+    acc0 = with_accuracy_level(src, tmp_path / "acc0", 0)
+    assert sorted(p.name for p in (acc0 / "onnx").iterdir()) == ["model.onnx"]
+    want = greedy(load(acc0, threads=1), prompt, 4).tokens
+    assert greedy(load(out, threads=1), prompt, 4).tokens == want

@@ -43,6 +43,18 @@ def external_files(path: Path) -> set[str]:
     return {e.value for t in tensors for e in t.external_data if e.key == "location"}
 
 
+def model_files(model_path: Path) -> set[Path]:
+    """``model_path`` and the external data files it refers to."""
+    return {model_path} | {model_path.parent / name for name in external_files(model_path)}
+
+
+def copy_folder(src: Path, dst: Path, skip: set[Path]) -> None:
+    """Copy the folder ``src`` into ``dst`` (which may exist), without the files in ``skip``."""
+    shutil.copytree(
+        src, dst, dirs_exist_ok=True, ignore=lambda folder, names: [n for n in names if Path(folder, n) in skip]
+    )
+
+
 def _rewrite(path: Path, compute: str, group_size: int) -> tuple[onnx.ModelProto | None, str]:
     """The model at ``path`` with CimInt4MatMul nodes (None if nothing to do), and what was done."""
     model = load_model(path)
@@ -100,20 +112,20 @@ def prepare(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        replaced: set[str] = set()
+        replaced: set[Path] = set()  # files of src that the new folder holds in converted form
         reports = []
         for name, section in sections.items():
             filename = section["filename"]
             model_path = src / filename
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
-            data_files = external_files(model_path)
             rewritten, report = _rewrite(model_path, compute, group_size)
             reports.append(f"{filename} (model.{name}):\n{report}")
             if rewritten is None:
                 continue
+            (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
             save_model(rewritten, tmp / filename)
-            replaced |= {filename} | data_files
+            replaced |= model_files(model_path)
             options = section.setdefault("session_options", {})
             if options.get(OPTION) not in (None, LIBRARY_NAME):
                 raise ExportError(f"{config_path}: model.{name} already uses {OPTION} {options[OPTION]!r}")
@@ -121,13 +133,7 @@ def prepare(
             options[OPTION] = LIBRARY_NAME
         if not replaced:
             raise ExportError(f"{src}: no model in the folder to convert\n" + "\n".join(reports))
-        for item in src.iterdir():
-            if item.name in replaced or item.name == CONFIG_NAME:
-                continue
-            if item.is_dir():
-                shutil.copytree(item, tmp / item.name)
-            else:
-                shutil.copy2(item, tmp / item.name)
+        copy_folder(src, tmp, replaced | {config_path})
         shutil.copyfile(library, tmp / LIBRARY_NAME)  # a real file: genai refuses symlinks out of the folder
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
         tmp.chmod(0o755)

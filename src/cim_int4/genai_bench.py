@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ import onnx
 
 from .exporter import ExportError, load_model, save_model
 from .exporter.convert import NBITS_DOMAIN, NBITS_OP
-from .genai import CONFIG_NAME, external_files, prepare
+from .genai import CONFIG_NAME, copy_folder, model_files, prepare
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,7 @@ def with_accuracy_level(source: str | os.PathLike, output: str | os.PathLike, le
     """A copy of the genai folder ``source`` whose decoder's MatMulNBits nodes have ``accuracy_level`` = ``level``."""
     src, out = Path(source), Path(output)
     source_model = _decoder_file(src)
-    skip = {source_model.name} | external_files(source_model)
-    shutil.copytree(src, out, ignore=lambda folder, names: [n for n in names if Path(folder) == src and n in skip])
+    copy_folder(src, out, model_files(source_model))
     model = load_model(source_model)
     for node in model.graph.node:
         if node.op_type == NBITS_OP and node.domain == NBITS_DOMAIN:
