@@ -28,6 +28,35 @@ def _export(args: argparse.Namespace) -> int:
 DIVERGED = 4
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .exporter.convert import convert_file
+
+    convert_file(args.model, args.output, compute=args.compute, quiet=args.quiet)
+    return 0
+
+
+def _genai(args: argparse.Namespace) -> int:
+    from .genai import prepare
+
+    prepare(args.folder, args.output, compute=args.compute, group_size=args.group_size, quiet=args.quiet)
+    return 0
+
+
+def _genai_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .genai_bench import compare, format_comparison
+
+    report = compare(
+        args.folder, prompt_len=args.prompt_len, steps=args.steps, repeats=args.repeats, threads=args.threads
+    )
+    print(format_comparison(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
     from .report import check_plotting, write_json
     from .validate import compare
@@ -126,6 +155,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)
+
+    from .exporter.convert import COMPUTE_CHOICES
+
+    compute_help = "CimInt4MatMul compute mode; auto: int8 where MatMulNBits had accuracy_level 4, else fp32"
+    p = sub.add_parser("convert", help="rewrite ORT MatMulNBits nodes (4-bit, symmetric) as CimInt4MatMul")
+    p.add_argument("model", help="ONNX file with com.microsoft MatMulNBits nodes (read, never modified)")
+    p.add_argument("-o", "--output", required=True, help="where to write the converted model (not the input file)")
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("genai", help="make a copy of an onnxruntime-genai model folder that runs CimInt4MatMul")
+    p.add_argument("folder", help="genai model folder with genai_config.json (read, never modified)")
+    p.add_argument("-o", "--output", default=None, help="new folder to write (default: FOLDER-cim-int4)")
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    group_help = "group size when the folder's model is FP32 and gets exported"
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_genai)
+
+    p = sub.add_parser("genai-bench", help="tokens/s in onnxruntime-genai: MatMulNBits vs CimInt4MatMul")
+    p.add_argument("folder", help="genai model folder whose decoder has MatMulNBits nodes (read, never modified)")
+    p.add_argument("--steps", type=int, default=32, help="new tokens per run")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: genai's)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=_genai_bench)
+
 
     p = sub.add_parser(
         "validate",
