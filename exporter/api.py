@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import onnx
 from onnx import helper
@@ -69,6 +70,16 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     except OSError as e:
         raise ExportError(f"{path}: cannot read ({e.strerror or e})") from e
     return model
+
+
+def check_output_path(source: str | os.PathLike, output: str | os.PathLike) -> None:
+    """Raise ExportError unless writing ``output`` and ``<output>.data`` leaves every file ``source`` reads alone."""
+    try:
+        _, input_files = read_model(source)
+        out = Path(output)
+        io.check_output(out, out.with_name(f"{out.name}.data"), input_files)
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
 
 
 def save_model(model: onnx.ModelProto, output: str | os.PathLike, *, quiet: bool = True) -> None:

@@ -12,6 +12,8 @@ import onnx
 import onnxruntime as ort
 
 from .library import library_path
+from .names import COMPUTE_CONFIG
+from .reference import COMPUTE_MODES
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 Pin = bool | Literal["run", "pool", "none"]
@@ -20,8 +22,7 @@ PIN_MODES = ("run", "pool", "none")
 # Measured on a 4096x4096 chain at M=1 (README, make_session): pinning only ORT's pool threads
 # was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
 DEFAULT_PIN = "pool"
-COMPUTE_CONFIG_KEY = "cim_int4.compute"
-COMPUTE_MODES = ("fp32", "int8")
+BACKENDS = ("native", "reference")
 
 
 def _allowed_cpus() -> tuple[int, ...]:
@@ -91,6 +92,7 @@ def session_options(
     threads: int | None = None,
     pin: Pin = True,
     config: Mapping[str, str] | None = None,
+    ops_library: str | None = None,
     *,
     compute: str | None = None,
     oversubscribe: bool = False,
@@ -98,8 +100,9 @@ def session_options(
     """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores).
 
     Unless ``pin`` is False/"none", ORT pins each pool thread to its own core. ``config`` adds
-    ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``); ``compute``
-    ("fp32" or "int8") sets the op library's ``cim_int4.compute`` entry.
+    ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``); ``ops_library``
+    registers another custom-op library in place of ours; ``compute`` ("fp32" or "int8") sets
+    the op library's ``cim_int4.compute`` entry.
     """
     mode = _pin_mode(pin)
     if compute is not None and compute not in COMPUTE_MODES:
@@ -107,14 +110,14 @@ def session_options(
     cores = physical_cores()
     n = resolve_threads(threads, cores, oversubscribe)
     so = ort.SessionOptions()
-    so.register_custom_ops_library(library_path())
+    so.register_custom_ops_library(ops_library or library_path())
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     if mode != "none" and n > 1:
         _, affinities = thread_affinities(n, cores)
         so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
     if compute is not None:
-        so.add_session_config_entry(COMPUTE_CONFIG_KEY, compute)
+        so.add_session_config_entry(COMPUTE_CONFIG, compute)
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     return so
@@ -154,6 +157,7 @@ def make_session(
     threads: int | None = None,
     pin: Pin = True,
     config: Mapping[str, str] | None = None,
+    backend: str = "native",
     *,
     compute: str | None = None,
     oversubscribe: bool = False,
@@ -166,8 +170,19 @@ def make_session(
     the calling thread to the first core while each run lasts; "none" (False) pins nothing. The
     calling thread's affinity is never changed after this returns. ``config`` adds ORT
     session config entries; ``compute`` ("fp32" or "int8") picks the op's compute mode.
+    ``backend="reference"`` runs CimInt4MatMul with the NumPy reference through
+    onnxruntime-extensions instead of our library (see reference_backend).
     """
-    so = session_options(threads, pin, config, compute=compute, oversubscribe=oversubscribe)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reference = backend == "reference"
+    # Imported here: reference_backend reads the exporter's constants, and the exporter imports this package.
+    from .reference_backend import extensions_library, reference_session
+
+    library = extensions_library() if reference else None
+    so = session_options(threads, pin, config, library, compute=compute, oversubscribe=oversubscribe)
+    if reference:
+        return reference_session(model, so)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif not isinstance(model, bytes):

@@ -41,10 +41,10 @@ def models(tmp_path: Path) -> tuple[Path, Path]:
     return fp32, other
 
 
-def test_ort_error_is_one_line_with_exit_code_4(models: tuple[Path, Path]) -> None:
+def test_ort_error_is_one_line_with_exit_code_5(models: tuple[Path, Path]) -> None:
     # Before: validate on models that do not match died with ORT's traceback.
     proc = cli("validate", str(models[0]), str(models[1]))
-    assert proc.returncode == 4
+    assert proc.returncode == 5
     assert one_line_error(proc).startswith("cim-int4: onnxruntime error:")
 
 

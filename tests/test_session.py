@@ -14,7 +14,8 @@ import onnx
 import pytest
 from cim_int4.ops import physical_cores, session_options, thread_affinities
 from cim_int4.ops.library import LIBRARY_ENV
-from cim_int4.ops.session import COMPUTE_CONFIG_KEY, PIN_MODES
+from cim_int4.ops.names import COMPUTE_CONFIG
+from cim_int4.ops.session import PIN_MODES
 from conftest import op_attributes, op_model, quantized
 
 from cim_int4 import library_path, make_session
@@ -163,9 +164,9 @@ def test_bad_pin_and_compute_are_value_errors() -> None:
 
 @pytest.mark.parametrize("compute", ["fp32", "int8"])
 def test_compute_sets_the_session_config_entry(compute: str) -> None:
-    assert session_options(compute=compute).get_session_config_entry(COMPUTE_CONFIG_KEY) == compute
-    with pytest.raises(Exception, match=COMPUTE_CONFIG_KEY):  # ORT: unknown key
-        session_options().get_session_config_entry(COMPUTE_CONFIG_KEY)
+    assert session_options(compute=compute).get_session_config_entry(COMPUTE_CONFIG) == compute
+    with pytest.raises(Exception, match=COMPUTE_CONFIG):  # ORT: unknown key
+        session_options().get_session_config_entry(COMPUTE_CONFIG)
 
 
 def test_pin_modes_compute_the_same() -> None:
