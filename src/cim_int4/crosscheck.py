@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .layercheck import Model
 from .ops import OP_TYPE, make_session, reference
 from .ops.reference_backend import COMPUTE_CONFIG_KEY, NodeWeights, is_cim_node, node_weights
-from .layercheck import Model
 
 # Four FP32 ulps of a dot product's magnitude sum|a * w| (unit roundoff 2**-24).
 ULPS_OF_MAGNITUDE = 2.0**-22
