@@ -15,7 +15,7 @@ from test_exporter import run_cli
 import cim_int4
 from cim_int4 import make_session
 from cim_int4.crosscheck import allowed_difference, crosscheck
-from cim_int4.validate import _with_outputs
+from cim_int4.layercheck import Model
 
 pytest.importorskip("onnxruntime_extensions")
 
@@ -59,7 +59,7 @@ def test_reference_backend_layers_are_the_emulation(name: str, compute: str) -> 
     nodes = cim_nodes(model)
     names = list(dict.fromkeys(t for n in nodes for t in (n.input[0], n.output[0]) if t not in feeds))
     sess = make_session(
-        _with_outputs(model, names), threads=1, backend="reference", config={COMPUTE_CONFIG_KEY: compute}
+        Model(model, "INT4").with_outputs(names), threads=1, backend="reference", config={COMPUTE_CONFIG_KEY: compute}
     )
     values = {**feeds, **dict(zip(names, sess.run(names, feeds), strict=True))}
     for node in nodes:
@@ -68,7 +68,6 @@ def test_reference_backend_layers_are_the_emulation(name: str, compute: str) -> 
         assert values[node.output[0]].tobytes() == expected.tobytes(), node.name
 
 
-@pytest.mark.xfail(strict=False, reason="native int8 mode lands with issue 6")
 @pytest.mark.parametrize("name", MODELS)
 def test_native_and_reference_agree_in_int8_mode(name: str) -> None:
     model, feeds = int4_and_feeds(name)
