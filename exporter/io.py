@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -195,8 +195,10 @@ def _check_external(tensor: onnx.TensorProto, model_path: Path, base: str) -> st
     return full
 
 
-def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, set[str]]:
+def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[str]]:
     """The model at ``path`` without its weights (read later by TensorStore) and the real paths of the files it reads.
+
+    The model file itself comes first in that list.
 
     Raises ModelFileError naming the file for an unreadable model or bad external data.
     """
@@ -219,7 +221,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, set[str]]:
     if model.ir_version == 0 or not model.HasField("graph"):
         raise ModelFileError(f"{p}: not an ONNX model (no IR version or no graph)")
     base = os.path.dirname(real)
-    files = {real}
+    files = [real]
     for tensor in iter_tensors(model.graph):
         if tensor.data_location != _EXTERNAL:
             continue
@@ -228,7 +230,8 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, set[str]]:
             continue  # a lazy inline tensor of the model file itself
         full = _check_external(tensor, p, base)
         set_external(tensor, full, offset, _nbytes(tensor) if length is None else length)
-        files.add(full)
+        if full not in files:
+            files.append(full)
     return model, files
 
 
@@ -381,7 +384,7 @@ def _create(path: Path) -> BinaryIO:
 class OutputFiles:
     """``<out>`` and ``<out>.data`` written under temporary names in the output folder, renamed by ``commit``."""
 
-    def __init__(self, output: str | os.PathLike, input_files: set[str] = frozenset()) -> None:
+    def __init__(self, output: str | os.PathLike, input_files: Sequence[str] = ()) -> None:
         self.out = Path(output)
         self.data_name = f"{self.out.name}.data"
         self.final_data = self.out.with_name(self.data_name)
@@ -454,13 +457,19 @@ def _same(a: str | os.PathLike, b: str) -> bool:
         return False
 
 
-def check_output(out: Path, data: Path, input_files: set[str] | frozenset[str]) -> None:
-    """Raise ModelFileError unless ``out`` (and its ``data`` file) can be written without touching an input file."""
+def check_output(out: Path, data: Path, input_files: Sequence[str]) -> None:
+    """Raise ModelFileError unless ``out`` (and its ``data`` file) can be written without touching an input file.
+
+    ``input_files``: real paths, the input model first (as read_model gives them).
+    """
     for path in (out, data):
-        for used in input_files:
-            if _same(path, used):
-                what = "output path is the input model or" if path == out else "the output's data file is"
-                raise ModelFileError(f"{path}: {what} a file the input model reads ({used}); choose another output")
+        for i, used in enumerate(input_files):
+            if not _same(path, used):
+                continue
+            if path == out and i == 0:
+                raise ModelFileError(f"{out}: output path is the input file; choose another output path")
+            what = "output path is" if path == out else "the output's data file is"
+            raise ModelFileError(f"{path}: {what} a file the input model reads ({used}); choose another output path")
     if out.is_dir():
         raise ModelFileError(f"{out}: is a folder; give a file name for the output")
     if not out.parent.is_dir():

@@ -81,7 +81,9 @@ class TensorIO(Protocol):
 class _Constants:
     """Constant tensors of the main graph: initializers (not overridable inputs) and Constant nodes."""
 
-    def __init__(self, graph: onnx.GraphProto, read: Callable[[onnx.TensorProto], np.ndarray]) -> None:
+    def __init__(
+        self, graph: onnx.GraphProto, read: Callable[[onnx.TensorProto], np.ndarray] = numpy_helper.to_array
+    ) -> None:
         self.read = read
         inputs = {i.name for i in graph.input}
         self.initializers = {t.name: t for t in graph.initializer}
