@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from cim_int4.exporter import QuantizedWeight, quantize_weight
+from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.ops import reference
 from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from onnx import TensorProto, helper, numpy_helper
@@ -132,3 +133,34 @@ def _restore_affinity() -> Iterator[None]:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
+    """``quantized`` with each CimInt4MatMul (any graph) as MatMul (+ Add) on its reference-dequantized weight."""
+    out = onnx.ModelProto()
+    out.CopyFrom(quantized)
+    for graph in all_graphs(out.graph):
+        nodes, inits = [], []
+        for node in graph.node:
+            if node.domain != OP_DOMAIN:
+                nodes.append(node)
+                continue
+            a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+            w = reference.dequantize(
+                numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), a["K"], a["group_size"]
+            )
+            inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
+            y = node.output[0]
+            if "bias" in a:
+                inits.append(numpy_helper.from_array(numpy_helper.to_array(a["bias"]), f"{node.name}.bias_attr"))
+                nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [f"{y}.matmul"]))
+                nodes.append(helper.make_node("Add", [f"{y}.matmul", f"{node.name}.bias_attr"], [y]))
+            else:
+                nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [y]))
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.initializer.extend(inits)
+    keep = [o for o in out.opset_import if o.domain != OP_DOMAIN]
+    del out.opset_import[:]
+    out.opset_import.extend(keep)
+    return out

@@ -16,6 +16,7 @@ from cim_int4.exporter.api import max_ir_version
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from cim_int4.ops import reference
 from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from conftest import dequantized_model
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
@@ -66,36 +67,6 @@ def run_fp32(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray
 
 def rel_error(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
-def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
-    """The quantized graph with each CimInt4MatMul replaced by MatMul (+ Add) on its reference-dequantized weight."""
-    out = onnx.ModelProto()
-    out.CopyFrom(quantized)
-    nodes, inits = [], []
-    for node in out.graph.node:
-        if node.domain != OP_DOMAIN:
-            nodes.append(node)
-            continue
-        a = attributes(node)
-        w = reference.dequantize(
-            numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), a["K"], a["group_size"]
-        )
-        inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
-        y = node.output[0]
-        if "bias" in a:
-            inits.append(numpy_helper.from_array(numpy_helper.to_array(a["bias"]), f"{node.name}.bias_attr"))
-            nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [f"{y}.matmul"]))
-            nodes.append(helper.make_node("Add", [f"{y}.matmul", f"{node.name}.bias_attr"], [y]))
-        else:
-            nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [y]))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    out.graph.initializer.extend(inits)
-    keep = [o for o in out.opset_import if o.domain != OP_DOMAIN]
-    del out.opset_import[:]
-    out.opset_import.extend(keep)
-    return out
 
 
 def matmuls_model(weights: dict[str, np.ndarray | None], k: int = 64) -> onnx.ModelProto:

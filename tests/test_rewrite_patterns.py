@@ -1,0 +1,224 @@
+"""One small graph per pattern the exporter handles beyond a plain initializer weight.
+
+Folded producers, [1, K, N] weights, initializers listed as inputs, skip reasons, onnxsim,
+subgraphs, Gemm biases that stay an Add, fp16/bf16 behind Casts, a stray opset import.
+Each quantized model is run in ORT and checked twice: against the same graph with the
+reference-dequantized weights (the rewrite is exact up to FP32 rounding) and against the
+FP32 original (the right weight, in the right orientation, was quantized).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cim_int4.exporter import export_with_summary
+from cim_int4.exporter.fold import COMPUTED
+from cim_int4.ops.names import OP_TYPE
+from conftest import dequantized_model
+from onnx import TensorProto, helper, numpy_helper
+
+from cim_int4 import NothingToQuantize, make_session
+from cim_int4.cli import main as cli_main
+
+K, N, M = 64, 48, 3
+F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+
+
+def model_of(nodes, inputs, outputs, inits=(), opset: int = 17, elem: int = F32) -> onnx.ModelProto:  # noqa: ANN001
+    """A model from nodes; ``inputs``/``outputs`` are (name, shape) pairs of type ``elem``."""
+    graph = helper.make_graph(
+        nodes,
+        "pattern",
+        [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, elem, s) for n, s in outputs],
+        list(inits),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def w(seed: int, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def init(name: str, value: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(value, name)
+
+
+def check(model: onnx.ModelProto, q: onnx.ModelProto, feeds: dict[str, np.ndarray], rtol: float = 1e-4) -> None:
+    """``q`` runs, equals its dequantized twin up to rounding, and is within INT4 error of ``model``."""
+    names = [o.name for o in model.graph.output]
+    got = make_session(q, threads=1).run(names, feeds)
+    twin = ort.InferenceSession(dequantized_model(q).SerializeToString()).run(names, feeds)
+    fp32 = ort.InferenceSession(model.SerializeToString()).run(names, feeds)
+    for name, g, t, f in zip(names, got, twin, fp32, strict=True):
+        assert g.shape == f.shape and g.dtype == f.dtype, name
+        scale = float(np.abs(t.astype(np.float64)).max())
+        np.testing.assert_allclose(g.astype(np.float64), t.astype(np.float64), rtol=rtol, atol=rtol * scale)
+        rel = np.linalg.norm(g.astype(np.float64) - f) / np.linalg.norm(f.astype(np.float64))
+        assert rel < 0.2, f"{name}: relative error {rel:.3f} vs FP32: the wrong weight was quantized"
+
+
+def x(seed: int = 9, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
+    return w(seed, *(shape or (M, K)), dtype=dtype)
+
+
+# ---------------------------------------------------------------- 1. folded weight producers
+
+
+def test_transpose_of_initializer_is_folded_and_dropped() -> None:
+    nodes = [
+        helper.make_node("Transpose", ["wt"], ["w"], name="tied", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w"], ["y"], name="lm_head"),
+    ]
+    model = model_of(nodes, [("x", ["M", K])], [("y", ["M", N])], [init("wt", w(0, N, K))])
+    q, summary = export_with_summary(model)
+    assert [r.name for r in summary.rewritten] == ["lm_head"] and not summary.skipped
+    assert [n.op_type for n in q.graph.node] == [OP_TYPE] and not q.graph.initializer
+    check(model, q, {"x": x()})
+
+
+def test_chain_of_foldable_ops_from_a_constant_node() -> None:
+    flat = numpy_helper.from_array(w(1, K * N, dtype=np.float16), "flat")
+    nodes = [
+        helper.make_node("Constant", [], ["flat"], value=flat),
+        helper.make_node("Constant", [], ["shape"], value=init("shape", np.array([1, K, N], np.int64))),
+        helper.make_node("Reshape", ["flat", "shape"], ["r"], name="reshape"),
+        helper.make_node("Cast", ["r"], ["c"], name="cast", to=F32),
+        helper.make_node("Identity", ["c"], ["i"], name="dedup"),
+        helper.make_node("Squeeze", ["i", "axes0"], ["s"], name="squeeze"),
+        helper.make_node("Unsqueeze", ["s", "axes0"], ["u"], name="unsqueeze"),
+        helper.make_node("Squeeze", ["u", "axes0"], ["wk"], name="squeeze2"),
+        helper.make_node("MatMul", ["x", "wk"], ["y"], name="mm"),
+    ]
+    model = model_of(nodes, [("x", ["M", K])], [("y", ["M", N])], [init("axes0", np.array([0], np.int64))])
+    q, summary = export_with_summary(model)
+    assert [r.name for r in summary.rewritten] == ["mm"]
+    assert [n.op_type for n in q.graph.node] == [OP_TYPE], "every link of the chain is unused now"
+    check(model, q, {"x": x()})
+
+
+def test_producer_still_read_elsewhere_stays() -> None:
+    nodes = [
+        helper.make_node("Transpose", ["wt"], ["w"], name="tied", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+        helper.make_node("ReduceSum", ["w"], ["s"], name="other", keepdims=0),
+    ]
+    model = model_of(nodes, [("x", ["M", K])], [("y", ["M", N])], [init("wt", w(0, N, K))])
+    model.graph.output.append(helper.make_tensor_value_info("s", F32, None))
+    q, _ = export_with_summary(model)
+    assert [n.op_type for n in q.graph.node] == ["Transpose", OP_TYPE, "ReduceSum"]
+    assert [t.name for t in q.graph.initializer] == ["wt"]
+    check(model, q, {"x": x()})
+
+
+@pytest.mark.parametrize(("x_shape", "unsqueezed"), [([2, M, K], False), ([M, K], True), ([K], True)])
+def test_unit_batch_weight_is_squeezed(x_shape: list[int], unsqueezed: bool) -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="bmm")]
+    model = model_of(nodes, [("x", x_shape)], [("y", None)], [init("w", w(2, 1, K, N))])
+    q, summary = export_with_summary(model)
+    assert [r.name for r in summary.rewritten] == ["bmm"]
+    assert ("Unsqueeze" in [n.op_type for n in q.graph.node]) == unsqueezed
+    check(model, q, {"x": x(9, *x_shape)})
+
+
+def test_unit_batch_weight_with_input_of_unknown_rank_is_skipped() -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="bmm")]
+    model = model_of(nodes, [("x", None)], [("y", None)], [init("w", w(2, 1, K, N))])
+    with pytest.raises(NothingToQuantize) as info:
+        export_with_summary(model)
+    (skipped,) = info.value.summary.skipped
+    assert "rank of input 'x' is unknown" in skipped.reason
+
+
+def input_initializer_model() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["h"], name="folded"),
+        helper.make_node("MatMul", ["h", "w1"], ["y"], name="shared"),
+        helper.make_node("ReduceSum", ["w1"], ["s"], name="reads_w1", keepdims=0),
+    ]
+    model = model_of(nodes, [("x", ["M", K])], [("y", ["M", K])], [init("w0", w(0, K, K)), init("w1", w(1, K, K))])
+    model.graph.input.extend(helper.make_tensor_value_info(n, F32, [K, K]) for n in ("w0", "w1"))
+    model.graph.output.append(helper.make_tensor_value_info("s", F32, None))
+    return model
+
+
+@pytest.mark.parametrize("fold", [None, True])
+def test_input_initializers_are_quantized(fold: bool | None) -> None:
+    model = input_initializer_model()
+    q, summary = export_with_summary(model, fold_input_initializers=fold)
+    assert [r.name for r in summary.rewritten] == ["folded", "shared"]
+    warned = [m for m in summary.warnings if "also listed as graph inputs" in m]
+    assert len(warned) == (1 if fold is None else 0)
+    # w0 is gone (input too); w1 is still read by ReduceSum, so it stays an input and an initializer.
+    assert [i.name for i in q.graph.input] == ["x", "w1"]
+    assert [t.name for t in q.graph.initializer] == ["w1"]
+    check(model, q, {"x": x()})
+
+
+def test_input_initializers_stay_with_no_fold() -> None:
+    with pytest.raises(NothingToQuantize, match="also listed as a graph input"):
+        export_with_summary(input_initializer_model(), fold_input_initializers=False)
+
+
+def computed_weight_model() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Mul", ["w", "two"], ["w2"], name="scale"),
+        helper.make_node("Transpose", ["w2"], ["w2t"], name="t", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w2t"], ["h"], name="behind_mul"),
+        helper.make_node("Transpose", ["h"], ["ht"], name="ht", perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "ht"], ["y"], name="scores"),
+    ]
+    inits = [init("w", w(0, K, K)), init("two", np.array(2.0, np.float32))]
+    return model_of(nodes, [("x", ["M", K])], [("y", ["M", "M"])], inits)
+
+
+def test_skip_reasons_tell_activations_from_unfolded_constants() -> None:
+    with pytest.raises(NothingToQuantize) as info:
+        export_with_summary(computed_weight_model())
+    reasons = {s.name: s.reason for s in info.value.summary.skipped}
+    assert reasons == {
+        "behind_mul": "weight 'w2' is constant, but behind an op we do not fold (Mul 'scale')",
+        "scores": COMPUTED,
+    }
+
+
+def test_simplify_folds_what_we_do_not() -> None:
+    pytest.importorskip("onnxsim")
+    model = computed_weight_model()
+    q, summary = export_with_summary(model, simplify=True)
+    assert [r.name for r in summary.rewritten] == ["behind_mul"] and not summary.warnings
+    check(model, q, {"x": x()})
+
+
+@pytest.mark.parametrize("failure", ["missing", "raises"])
+def test_simplify_failure_continues_unsimplified(failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if failure == "missing":
+        monkeypatch.setitem(sys.modules, "onnxsim", None)  # import fails as if not installed
+    else:
+        onnxsim = pytest.importorskip("onnxsim")
+
+        def broken(model: onnx.ModelProto) -> None:
+            raise RuntimeError("no luck\nsecond line")
+
+        monkeypatch.setattr(onnxsim, "simplify", broken)
+    model = input_initializer_model()
+    q, summary = export_with_summary(model, simplify=True, fold_input_initializers=True)
+    assert len(summary.rewritten) == 2
+    expected = "onnxsim is not installed" if failure == "missing" else "onnxsim failed (RuntimeError: no luck)"
+    assert expected in summary.warnings[0] and "continuing unsimplified" in summary.warnings[0]
+    assert "\n" not in summary.warnings[0]
+
+
+def test_cli_fold_and_simplify_flags(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "onnxsim", None)
+    src = tmp_path / "m.onnx"
+    onnx.save(input_initializer_model(), src)
+    assert cli_main(["export", str(src), "-o", str(tmp_path / "a.onnx"), "--simplify"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: quantized 2 initializer(s) also listed as graph inputs" in out and "onnxsim" in out
+    assert cli_main(["export", str(src), "-o", str(tmp_path / "b.onnx"), "--no-fold-input-initializers"]) == 3
+    assert "also listed as a graph input" in capsys.readouterr().err
