@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import onnx
 
@@ -55,12 +55,12 @@ def uses_domain(model: onnx.ModelProto, domain: str) -> bool:
     return any(n.domain == domain for n in nodes)
 
 
-def _replace(repeated, keep: list) -> bool:  # noqa: ANN001 - a protobuf repeated field
-    if len(keep) == len(repeated):
-        return False
-    del repeated[:]
-    repeated.extend(keep)
-    return True
+def _remove(repeated, drop: Callable[[object], bool]) -> bool:  # noqa: ANN001 - a protobuf repeated field
+    """Delete the elements ``drop`` selects, in place: no copy of the (possibly large) elements kept."""
+    doomed = [i for i, item in enumerate(repeated) if drop(item)]
+    for i in reversed(doomed):
+        del repeated[i]
+    return bool(doomed)
 
 
 def drop_unused(graph: onnx.GraphProto, folded: set[str], folded_inputs: set[str]) -> None:
@@ -76,14 +76,14 @@ def drop_unused(graph: onnx.GraphProto, folded: set[str], folded_inputs: set[str
         used = used_names(graph)
         for g in all_graphs(graph):
             inputs = {i.name for i in g.input} - (folded_inputs if g is graph else set())
-            changed |= _replace(g.initializer, [t for t in g.initializer if t.name in used or t.name in inputs])
-            changed |= _replace(g.node, [n for n in g.node if not _droppable(n, folded, used)])
-        if graph.input:
-            kept = {t.name for t in graph.initializer}
-            _replace(graph.input, [i for i in graph.input if i.name not in folded_inputs or i.name in kept])
+            read = used | inputs
+            changed |= _remove(g.initializer, lambda t, read=read: t.name not in read)
+            changed |= _remove(g.node, lambda n, used=used: _droppable(n, folded, used))
+        gone = folded_inputs - {t.name for t in graph.initializer}
+        _remove(graph.input, lambda i, gone=gone: i.name in gone)
     for g in all_graphs(graph):
         names = {t.name for t in g.initializer} | {o for n in g.node for o in n.output} | {i.name for i in g.input}
-        _replace(g.value_info, [v for v in g.value_info if v.name in names])
+        _remove(g.value_info, lambda v, names=names: v.name not in names)
 
 
 def _droppable(node: onnx.NodeProto, folded: set[str], used: set[str]) -> bool:
