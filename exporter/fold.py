@@ -80,6 +80,11 @@ class Scope:
             scope = scope.parent
         return None
 
+    def is_constant(self, name: str) -> bool:
+        """True if ``name`` is fixed at export time (possibly behind ops we do not fold)."""
+        owner = self.owner(name)
+        return owner is not None and name in owner._constant
+
     def _initializer_is_constant(self, name: str) -> bool:
         if name in self.overridable:
             return self.fold_inputs
@@ -122,8 +127,10 @@ class Scope:
             tensor = self.initializers[name]
             return Folded(numpy_helper.to_array(tensor), tensor.data_type, [name])
         node = self.producers.get(name)
+        if node is None and self.parent is None and name in self.inputs:
+            raise NotFoldable(f"{role} {name!r} is a graph input (fed at run time)")
         if node is None:
-            raise NotFoldable(COMPUTED)
+            raise NotFoldable(COMPUTED)  # a subgraph input: loop state, scan slice, ...
         foldable = node.domain in DEFAULT_DOMAINS and node.op_type in FOLDABLE
         if not foldable and name not in self._constant:
             raise NotFoldable(COMPUTED)
@@ -142,7 +149,7 @@ class Scope:
             value, elem_type = _apply(node, source, self)
         except NotFoldable:
             raise
-        except (ValueError, TypeError, IndexError) as e:
+        except (ValueError, TypeError, IndexError, KeyError) as e:
             raise NotFoldable(f"{role} {name!r}: cannot fold {node.op_type} {node.name!r} ({e})") from e
         return Folded(value, elem_type, [*source.names, name])
 

@@ -54,10 +54,15 @@ def _attr(node: onnx.NodeProto, name: str, default: float | int) -> float | int:
     return default
 
 
-def _weight(scope: Scope, name: str) -> Folded:
+def _weight(scope: Scope, node: onnx.NodeProto) -> Folded:
+    name = node.input[1]
     try:
         folded = scope.resolve(name)
     except NotFoldable as why:
+        if scope.is_constant(node.input[0]) and not scope.is_constant(name):
+            raise Ineligible(
+                f"the constant is the first operand ({node.input[0]!r}); only x @ W is quantized"
+            ) from None
         raise Ineligible(str(why)) from None
     if folded.elem_type not in FLOAT_TYPES:
         dtype = onnx.TensorProto.DataType.Name(folded.elem_type)
@@ -68,7 +73,7 @@ def _weight(scope: Scope, name: str) -> Folded:
 def plan_matmul(node: onnx.NodeProto, scope: Scope, rank_of: Callable[[str], int | None]) -> Plan:
     """The plan of a MatMul whose second input is a constant [K, N] (or [1, K, N]) weight."""
     name = node.input[1]
-    folded = _weight(scope, name)
+    folded = _weight(scope, node)
     w = folded.value
     unsqueeze = 0
     if w.ndim > 2 and all(d == 1 for d in w.shape[:-2]):
@@ -94,7 +99,7 @@ def plan_matmul(node: onnx.NodeProto, scope: Scope, rank_of: Callable[[str], int
 
 def plan_gemm(node: onnx.NodeProto, scope: Scope) -> Plan:
     """The plan of a Gemm ``alpha * A' B' + beta * C`` with a constant B; C folds into the bias or stays an Add."""
-    folded = _weight(scope, node.input[1])
+    folded = _weight(scope, node)
     if folded.value.ndim != 2:
         raise Ineligible(f"Gemm weight {node.input[1]!r} has shape {list(folded.value.shape)}; expected 2-D")
     w = folded.value.astype(np.float32)

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from cim_int4.exporter import QuantizedWeight, quantize_weight
 from cim_int4.exporter.subgraph import all_graphs
@@ -164,3 +165,40 @@ def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
     del out.opset_import[:]
     out.opset_import.extend(keep)
     return out
+
+
+# ---------------------------------------------------------------- small graphs through the exporter
+
+
+def model_of(nodes, inputs, outputs, inits=(), opset: int = 17, elem: int = TensorProto.FLOAT) -> onnx.ModelProto:  # noqa: ANN001
+    """A model from nodes; ``inputs``/``outputs`` are (name, shape) pairs of type ``elem``."""
+    graph = helper.make_graph(
+        nodes,
+        "pattern",
+        [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, elem, s) for n, s in outputs],
+        list(inits),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def w(seed: int, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def init(name: str, value: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(value, name)
+
+
+def check(model: onnx.ModelProto, q: onnx.ModelProto, feeds: dict[str, np.ndarray], rtol: float = 1e-4) -> None:
+    """``q`` runs, equals its dequantized twin up to rounding, and is within INT4 error of ``model``."""
+    names = [o.name for o in model.graph.output]
+    got = make_session(q, threads=1).run(names, feeds)
+    twin = ort.InferenceSession(dequantized_model(q).SerializeToString()).run(names, feeds)
+    fp32 = ort.InferenceSession(model.SerializeToString()).run(names, feeds)
+    for name, g, t, f in zip(names, got, twin, fp32, strict=True):
+        assert g.shape == f.shape and g.dtype == f.dtype, name
+        scale = float(np.abs(t.astype(np.float64)).max())
+        np.testing.assert_allclose(g.astype(np.float64), t.astype(np.float64), rtol=rtol, atol=rtol * scale)
+        rel = np.linalg.norm(g.astype(np.float64) - f) / np.linalg.norm(f.astype(np.float64))
+        assert rel < 0.2, f"{name}: relative error {rel:.3f} vs FP32: the wrong weight was quantized"

@@ -342,7 +342,7 @@ def test_no_eligible_matmul_raises_nothing_to_quantize() -> None:
     with pytest.raises(NothingToQuantize, match="nothing to quantize") as info:
         quantize(model)
     (skipped,) = info.value.summary.skipped
-    assert skipped.name == "dynamic" and skipped.reason == "both operands are computed (activation x activation)"
+    assert skipped.name == "dynamic" and skipped.reason == "weight 'w0' is a graph input (fed at run time)"
     assert isinstance(info.value, ExportError)
 
 

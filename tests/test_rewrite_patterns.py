@@ -13,53 +13,18 @@ import sys
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from cim_int4.exporter import export_with_summary
 from cim_int4.exporter.fold import COMPUTED
 from cim_int4.ops.names import OP_TYPE
-from conftest import dequantized_model
+from conftest import check, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
-from cim_int4 import NothingToQuantize, make_session
+from cim_int4 import NothingToQuantize
 from cim_int4.cli import main as cli_main
 
 K, N, M = 64, 48, 3
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
-
-
-def model_of(nodes, inputs, outputs, inits=(), opset: int = 17, elem: int = F32) -> onnx.ModelProto:  # noqa: ANN001
-    """A model from nodes; ``inputs``/``outputs`` are (name, shape) pairs of type ``elem``."""
-    graph = helper.make_graph(
-        nodes,
-        "pattern",
-        [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
-        [helper.make_tensor_value_info(n, elem, s) for n, s in outputs],
-        list(inits),
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
-
-
-def w(seed: int, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def init(name: str, value: np.ndarray) -> onnx.TensorProto:
-    return numpy_helper.from_array(value, name)
-
-
-def check(model: onnx.ModelProto, q: onnx.ModelProto, feeds: dict[str, np.ndarray], rtol: float = 1e-4) -> None:
-    """``q`` runs, equals its dequantized twin up to rounding, and is within INT4 error of ``model``."""
-    names = [o.name for o in model.graph.output]
-    got = make_session(q, threads=1).run(names, feeds)
-    twin = ort.InferenceSession(dequantized_model(q).SerializeToString()).run(names, feeds)
-    fp32 = ort.InferenceSession(model.SerializeToString()).run(names, feeds)
-    for name, g, t, f in zip(names, got, twin, fp32, strict=True):
-        assert g.shape == f.shape and g.dtype == f.dtype, name
-        scale = float(np.abs(t.astype(np.float64)).max())
-        np.testing.assert_allclose(g.astype(np.float64), t.astype(np.float64), rtol=rtol, atol=rtol * scale)
-        rel = np.linalg.norm(g.astype(np.float64) - f) / np.linalg.norm(f.astype(np.float64))
-        assert rel < 0.2, f"{name}: relative error {rel:.3f} vs FP32: the wrong weight was quantized"
 
 
 def x(seed: int = 9, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
@@ -183,6 +148,21 @@ def test_skip_reasons_tell_activations_from_unfolded_constants() -> None:
     assert reasons == {
         "behind_mul": "weight 'w2' is constant, but behind an op we do not fold (Mul 'scale')",
         "scores": COMPUTED,
+    }
+
+
+def test_skip_reasons_for_a_constant_first_operand_and_a_graph_input_weight() -> None:
+    nodes = [
+        helper.make_node("MatMul", ["w", "x"], ["y"], name="w_at_x"),
+        helper.make_node("MatMul", ["x", "fed"], ["z"], name="x_at_fed"),
+    ]
+    model = model_of(nodes, [("x", [K, K]), ("fed", [K, K])], [("y", [K, K]), ("z", [K, K])], [init("w", w(0, K, K))])
+    with pytest.raises(NothingToQuantize) as info:
+        export_with_summary(model)
+    reasons = {s.name: s.reason for s in info.value.summary.skipped}
+    assert reasons == {
+        "w_at_x": "the constant is the first operand ('w'); only x @ W is quantized",
+        "x_at_fed": "weight 'fed' is a graph input (fed at run time)",
     }
 
 
