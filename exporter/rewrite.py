@@ -183,11 +183,13 @@ class _Rewriter:
             self.summary.rewritten.append(
                 Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
             )
-        if replaced:
-            nodes = [new for i, node in enumerate(graph.node) for new in replaced.get(i, [node])]
-            del graph.node[:]
-            graph.node.extend(nodes)
-            graph.initializer.extend(initializers)
+        # In place, from the back: the nodes kept (If bodies, say) are not copied.
+        for index in sorted(replaced, reverse=True):
+            first, *rest = replaced[index]
+            graph.node[index].CopyFrom(first)
+            for offset, extra in enumerate(rest, 1):
+                graph.node.insert(index + offset, extra)
+        graph.initializer.extend(initializers)
 
     def _constant(self, base: str, value: np.ndarray, initializers: list[onnx.TensorProto]) -> str:
         name = self.fresh(base)
