@@ -121,8 +121,8 @@ class Scope:
         if name in self.initializers and name not in (self.inputs - self.overridable):
             if name in self.overridable and not self.fold_inputs:
                 raise NotFoldable(
-                    f"{role} {name!r} is an initializer also listed as a graph input (overridable); "
-                    "pass fold_input_initializers=True (--fold-input-initializers) to quantize it"
+                    f"{role} {name!r} is an initializer also listed as a graph input (overridable), "
+                    "kept FP32 by fold_input_initializers=False (--no-fold-input-initializers)"
                 )
             tensor = self.initializers[name]
             return Folded(numpy_helper.to_array(tensor), tensor.data_type, [name])

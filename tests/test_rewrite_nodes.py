@@ -16,6 +16,7 @@ from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
+from cim_int4.validate import compare
 
 K, N, M = 64, 48, 3
 F32, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
@@ -158,6 +159,16 @@ def test_fp16_matmuls_share_one_cast_of_their_input() -> None:
     assert all("FLOAT16, Cast to FLOAT around the op" in r.notes for r in summary.rewritten)
     assert summary.bytes_before == 2 * K * N * 2, "the weight bytes before are the fp16 bytes"
     check(model, q, {"x": x(dtype=np.float16)}, rtol=2e-3)
+
+
+def test_validate_compares_the_tensors_after_the_casts() -> None:
+    model, feeds = gemm_model("input", 0.5, elem=F16)
+    model.graph.node.append(helper.make_node("Relu", ["y"], ["r"], name="relu"))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("r", F16, [M, N]))
+    q, _ = export_with_summary(model)
+    errors = compare(model, q, feeds, threads=1)
+    assert [e.name for e in errors] == ["y", "r"], "the op's own output is internal; y follows the Cast and Add"
+    assert all(e.cosine > 0.98 for e in errors)
 
 
 def test_bf16_weight_is_quantized_from_its_values() -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from .ops import OP_DOMAIN, OP_TYPE, make_session, session_options
 
@@ -28,7 +27,20 @@ class TensorError:
 
 def compared_tensors(int4_model: onnx.ModelProto, extra: str | None = None) -> list[str]:
     """Outputs of every CimInt4MatMul node, tensors whose name fully matches ``extra``, and the graph outputs."""
-    names = [n.output[0] for n in int4_model.graph.node if n.op_type == OP_TYPE and n.domain == OP_DOMAIN]
+    graph = int4_model.graph
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    names = []
+    for n in graph.node:
+        if n.op_type == OP_TYPE and n.domain == OP_DOMAIN:
+            # The exporter's steps after the op (Cast back to fp16, Unsqueeze, bias Add) are named
+            # "<op name>/...", and the last one writes the original node's output: compare that.
+            out = n.output[0]
+            while len(consumers.get(out, [])) == 1 and consumers[out][0].name.startswith(f"{n.name}/"):
+                out = consumers[out][0].output[0]
+            names.append(out)
     if extra:
         pattern = re.compile(extra)
         names += [o for n in int4_model.graph.node for o in n.output if pattern.fullmatch(o)]
@@ -42,7 +54,7 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> bytes:
     present = {o.name for o in m.graph.output}
     for name in names:
         if name not in present:
-            m.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            m.graph.output.append(onnx.ValueInfoProto(name=name))  # ORT infers the type (fp16 or float)
     return m.SerializeToString()
 
 
