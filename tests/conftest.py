@@ -1,4 +1,7 @@
-"""Shared helpers of the cim-int4 tests: one-node CimInt4MatMul models, kernel discovery, error bounds."""
+"""Shared helpers of the cim-int4 tests: one-node CimInt4MatMul models, kernel discovery, error bounds.
+
+Also small graphs through the exporter, checked against their dequantized twin (``check``).
+"""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from cim_int4.ops.names import OP_TYPE
 from conftest import check, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
-from cim_int4 import NothingToQuantize
+from cim_int4 import NothingToQuantize, make_session
 from cim_int4.cli import main as cli_main
 
 K, N, M = 64, 48, 3
@@ -122,6 +122,8 @@ def test_input_initializers_are_quantized(fold: bool | None) -> None:
     assert [i.name for i in q.graph.input] == ["x", "w1"]
     assert [t.name for t in q.graph.initializer] == ["w1"]
     check(model, q, {"x": x()})
+    with pytest.raises(Exception, match="Invalid input name: w0"):  # loud, not a silently ignored feed
+        make_session(q, threads=1).run(None, {"x": x(), "w0": w(0, K, K)})
 
 
 def test_input_initializers_stay_with_no_fold() -> None:
