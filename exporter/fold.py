@@ -8,6 +8,7 @@ tells a computed operand (activation x activation) from a constant behind an op 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,9 +60,17 @@ def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
 class Scope:
     """The names one graph defines (initializers, inputs, node outputs), with its enclosing graph's scope."""
 
-    def __init__(self, graph: onnx.GraphProto, parent: Scope | None = None, fold_inputs: bool = True) -> None:
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        parent: Scope | None = None,
+        fold_inputs: bool = True,
+        load: Callable[[onnx.TensorProto], np.ndarray] | None = None,
+    ) -> None:
         self.graph = graph
         self.parent = parent
+        # How an initializer's values are read: a caller holding a model without its external data passes its own.
+        self.load = load or (parent.load if parent is not None else numpy_helper.to_array)
         self.initializers = {t.name: t for t in graph.initializer}
         self.inputs = {i.name for i in graph.input}
         self.producers = {o: n for n in graph.node for o in n.output if o}
@@ -120,12 +129,9 @@ class Scope:
     def _resolve_local(self, name: str, role: str) -> Folded:
         if name in self.initializers and name not in (self.inputs - self.overridable):
             if name in self.overridable and not self.fold_inputs:
-                raise NotFoldable(
-                    f"{role} {name!r} is an initializer also listed as a graph input (overridable), "
-                    "kept FP32 by fold_input_initializers=False (--no-fold-input-initializers)"
-                )
+                raise NotFoldable(f"{role} {name!r} is an initializer also listed as a graph input (overridable)")
             tensor = self.initializers[name]
-            return Folded(numpy_helper.to_array(tensor), tensor.data_type, [name])
+            return Folded(self.load(tensor), tensor.data_type, [name])
         node = self.producers.get(name)
         if node is None and self.parent is None and name in self.inputs:
             raise NotFoldable(f"{role} {name!r} is a graph input (fed at run time)")

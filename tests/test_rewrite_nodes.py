@@ -161,14 +161,22 @@ def test_fp16_matmuls_share_one_cast_of_their_input() -> None:
     check(model, q, {"x": x(dtype=np.float16)}, rtol=2e-3)
 
 
-def test_validate_compares_the_tensors_after_the_casts() -> None:
-    model, feeds = gemm_model("input", 0.5, elem=F16)
+@pytest.mark.parametrize("elem", [F16, F32])
+def test_validate_sees_through_the_exporters_casts_transpose_and_add(elem: int) -> None:
+    model, feeds = gemm_model("input", 0.5, elem=elem)
+    gemm = model.graph.node[0]
+    if elem == F32:  # transA=1: the op reads a Transpose of x
+        gemm.attribute.append(helper.make_attribute("transA", 1))
+        model.graph.input[0].CopyFrom(helper.make_tensor_value_info("x", F32, [K, M]))
+        feeds["x"] = np.ascontiguousarray(feeds["x"].T)
     model.graph.node.append(helper.make_node("Relu", ["y"], ["r"], name="relu"))
-    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("r", F16, [M, N]))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("r", elem, [M, N]))
     q, _ = export_with_summary(model)
-    errors = compare(model, q, feeds, threads=1)
-    assert [e.name for e in errors] == ["y", "r"], "the op's own output is internal; y follows the Cast and Add"
-    assert all(e.cosine > 0.98 for e in errors)
+    report = compare(model, q, feeds, threads=1)
+    assert [r.name for r in report.rows] == ["y", "r"], "the op's own output is internal; y follows the Cast and Add"
+    assert report.first_divergent is None and len(report.layers) == 1
+    assert report.layers[0].code_steps is not None and report.layers[0].code_steps <= 0.5 + 1e-6
+    assert all(r.cosine > 0.98 for r in report.rows)
 
 
 def test_bf16_weight_is_quantized_from_its_values() -> None:
