@@ -26,7 +26,7 @@ from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .api import ExportError, _same_file, load_model, max_ir_version, save_model
 from .fold import NotFoldable, Scope
 from .quantize import SUPPORTED_GROUP_SIZES
-from .rewrite import Skipped
+from .rewrite import Skipped, drop_stray_imports
 from .subgraph import drop_unused
 
 NBITS_DOMAIN = "com.microsoft"
@@ -175,11 +175,12 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
     """
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
-    for opset in model.opset_import:
-        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
-            raise ExportError(f"model imports domain {OP_DOMAIN!r} at version {opset.version}; expected {OP_VERSION}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    try:
+        drop_stray_imports(out)  # an import left by ORT's transformers optimizer, with no node
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     graph = out.graph
     consts = Scope(graph, fold_inputs=False)  # an overridable B or scales is the caller's to feed
     summary = ConvertSummary()

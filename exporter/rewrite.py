@@ -88,15 +88,23 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return versions[0] if versions else onnx.defs.onnx_opset_version()
 
 
-def _stray_imports(model: onnx.ModelProto) -> list[onnx.OperatorSetIdProto]:
-    """Imports of our domain at another version; an error if a node uses the domain, else to be dropped."""
+def drop_stray_imports(model: onnx.ModelProto) -> list[str]:
+    """Remove imports of our domain at another version that no node uses (ORT's transformers optimizer writes v1000).
+
+    Returns one warning line per import dropped; raises ValueError if a node uses the domain.
+    """
     stray = [o for o in model.opset_import if o.domain == OP_DOMAIN and o.version != OP_VERSION]
-    if stray and uses_domain(model, OP_DOMAIN):
+    if not stray:
+        return []
+    if uses_domain(model, OP_DOMAIN):
         raise ValueError(
             f"model imports domain {OP_DOMAIN!r} at version {stray[0].version} and has nodes in it; "
             f"this exporter writes version {OP_VERSION}"
         )
-    return stray
+    kept = [o for o in model.opset_import if not (o.domain == OP_DOMAIN and o.version != OP_VERSION)]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return [f"ignored opset import {OP_DOMAIN!r} v{o.version}: no node uses it (dropped)" for o in stray]
 
 
 class _Rewriter:
@@ -287,17 +295,12 @@ def rewrite_model(
             patterns.append((text, re.compile(text)))
         except re.error as e:
             raise ValueError(f"exclude pattern {text!r} is not a valid regular expression: {e}") from e
-    stray = _stray_imports(model)
-
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    dropped = drop_stray_imports(out)
     rewriter = _Rewriter(out, group_size, patterns, min_size, fold_input_initializers is not False)
     summary = rewriter.summary
-    for opset in stray:
-        summary.warnings.append(f"ignored opset import {OP_DOMAIN!r} v{opset.version}: no node uses it (dropped)")
-    kept = [o for o in out.opset_import if not (o.domain == OP_DOMAIN and o.version != OP_VERSION)]
-    del out.opset_import[:]
-    out.opset_import.extend(kept)
+    summary.warnings.extend(dropped)
     rewriter.rewrite_graph(out.graph, None, "")
 
     if summary.rewritten:

@@ -15,7 +15,8 @@ from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
-from cim_int4 import make_session
+from cim_int4 import from_matmulnbits, make_session
+from cim_int4.bench import quantize_nbits
 from cim_int4.validate import compare
 
 K, N, M = 64, 48, 3
@@ -244,3 +245,11 @@ def test_opset_import_of_our_version_with_nodes_stays() -> None:
     assert [r.name for r in summary.rewritten] == ["mm2"] and not summary.warnings
     assert [(o.domain, o.version) for o in twice.opset_import] == [("", 17), (OP_DOMAIN, OP_VERSION)]
     assert numpy_helper.to_array(twice.graph.node[0].attribute[3].t).shape == (N, K // 2)
+
+
+def test_convert_drops_a_stray_opset_import_too() -> None:
+    nbits = quantize_nbits(plain_model(), accuracy_level=0)
+    nbits.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1000))
+    converted = from_matmulnbits(nbits)
+    assert [o.version for o in converted.opset_import if o.domain == OP_DOMAIN] == [OP_VERSION]
+    assert [n.op_type for n in converted.graph.node] == [OP_TYPE]
