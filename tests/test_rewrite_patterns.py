@@ -80,14 +80,25 @@ def test_producer_still_read_elsewhere_stays() -> None:
     check(model, q, {"x": x()})
 
 
-@pytest.mark.parametrize(("x_shape", "unsqueezed"), [([2, M, K], False), ([M, K], True), ([K], True)])
-def test_unit_batch_weight_is_squeezed(x_shape: list[int], unsqueezed: bool) -> None:
+@pytest.mark.parametrize(
+    ("x_shape", "unsqueezed", "opset"),
+    [([2, M, K], False, 17), ([M, K], True, 17), ([K], True, 17), ([M, K], True, 11)],  # 11: axes as attribute
+)
+def test_unit_batch_weight_is_squeezed(x_shape: list[int], unsqueezed: bool, opset: int) -> None:
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="bmm")]
-    model = model_of(nodes, [("x", x_shape)], [("y", None)], [init("w", w(2, 1, K, N))])
+    model = model_of(nodes, [("x", x_shape)], [("y", None)], [init("w", w(2, 1, K, N))], opset=opset)
     q, summary = export_with_summary(model)
     assert [r.name for r in summary.rewritten] == ["bmm"]
     assert ("Unsqueeze" in [n.op_type for n in q.graph.node]) == unsqueezed
     check(model, q, {"x": x(9, *x_shape)})
+
+
+def test_unit_batch_weight_input_rank_from_shape_inference() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"], name="bmm")]
+    model = model_of(nodes, [("x", [M, K])], [("y", None)], [init("w", w(2, 1, K, N))])
+    q, _ = export_with_summary(model)  # h has no declared shape: its rank comes from onnx shape inference
+    assert [n.op_type for n in q.graph.node] == ["Relu", OP_TYPE, "Unsqueeze"]
+    check(model, q, {"x": x()})
 
 
 def test_unit_batch_weight_with_input_of_unknown_rank_is_skipped() -> None:
