@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportSummary, export_with_summary
 from cim_int4.exporter.fold import COMPUTED
+from cim_int4.exporter.subgraph import all_graphs
 
 from cim_int4 import make_session
 from cim_int4.bench import quantize_nbits
@@ -29,6 +30,7 @@ SEQ = 8
 EXPECTED = {
     "bart_legacy": (33, 12),
     "bert_legacy_inputs": (12, 4),
+    "cond_dynamo": (2, 0),  # Gemms in both branches of an If, on outer-scope weights
     "gpt2_legacy": (9, 4),
     "llama_dynamo": (15, 4),
     "llama_dynamo_fp16": (15, 4),
@@ -48,9 +50,15 @@ class ZooResult:
     nbits_cosine: float
 
 
-def feeds(name: str) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(0).integers(0, INDEX[name]["vocab"], size=(1, SEQ), dtype=np.int64)
-    return {"input_ids": ids, "attention_mask": np.ones((1, SEQ), dtype=np.int64)}
+def feeds(name: str) -> list[dict[str, np.ndarray]]:
+    """The inputs each model runs on: token ids, or for the If model one input down each branch."""
+    rng = np.random.default_rng(0)
+    if INDEX[name]["kind"] == "cond":
+        x = rng.standard_normal((2, 64)).astype(np.float32)
+        x = x if x.sum() > 0 else -x
+        return [{"x": x}, {"x": -x}]
+    ids = rng.integers(0, INDEX[name]["vocab"], size=(1, SEQ), dtype=np.int64)
+    return [{"input_ids": ids, "attention_mask": np.ones((1, SEQ), dtype=np.int64)}]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -58,8 +66,9 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
 
 
-def run(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+def run(model: onnx.ModelProto, inputs: list[dict[str, np.ndarray]]) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.concatenate([sess.run(None, f)[0].ravel() for f in inputs])
 
 
 def zoo_result(name: str) -> ZooResult:
@@ -68,10 +77,11 @@ def zoo_result(name: str) -> ZooResult:
     inputs = feeds(name)
     reference = run(model, inputs)
     q, summary = export_with_summary(model)
-    ours = make_session(q, threads=1).run(None, inputs)[0]
+    sess = make_session(q, threads=1)
+    ours = np.concatenate([sess.run(None, f)[0].ravel() for f in inputs])
     assert ours.dtype == reference.dtype and ours.shape == reference.shape
     nbits = quantize_nbits(model, accuracy_level=0)
-    nbits_nodes = sum(n.op_type == "MatMulNBits" for n in nbits.graph.node)
+    nbits_nodes = sum(n.op_type == "MatMulNBits" for g in all_graphs(nbits.graph) for n in g.node)
     return ZooResult(summary, cosine(ours, reference), nbits_nodes, cosine(run(nbits, inputs), reference))
 
 
@@ -89,7 +99,7 @@ def test_every_zoo_model_is_expected() -> None:
 def test_counts_and_reasons(result: tuple[str, ZooResult]) -> None:
     name, r = result
     assert (len(r.summary.rewritten), len(r.summary.skipped)) == EXPECTED[name], r.summary.format()
-    assert {s.reason for s in r.summary.skipped} == {COMPUTED}, r.summary.format()
+    assert {s.reason for s in r.summary.skipped} <= {COMPUTED}, r.summary.format()
     assert len(r.summary.rewritten) >= r.nbits_nodes, "MatMulNBitsQuantizer found weights we did not"
 
 

@@ -65,6 +65,22 @@ def _bart():  # noqa: ANN202
     return BartForConditionalGeneration(config)
 
 
+def _cond():  # noqa: ANN202
+    """torch.cond: the dynamo exporter writes an If whose branches hold Gemms on outer-scope weights."""
+    import torch
+
+    class Branches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+            self.b = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return torch.cond(x.sum() > 0, lambda x: self.a(x), lambda x: self.b(torch.relu(x)), (x,))
+
+    return Branches()
+
+
 # name -> (model builder, family kind, exporter, fp16, keep_initializers_as_inputs)
 MODELS: dict[str, tuple[Callable, str, str, bool, bool]] = {
     "llama_legacy": (_llama, "causal", "legacy", False, False),
@@ -75,6 +91,7 @@ MODELS: dict[str, tuple[Callable, str, str, bool, bool]] = {
     "gpt2_legacy": (_gpt2, "causal", "legacy", False, False),
     "bert_legacy_inputs": (_bert, "encoder", "legacy", False, True),
     "bart_legacy": (_bart, "seq2seq", "legacy", False, False),
+    "cond_dynamo": (_cond, "cond", "dynamo", False, False),
 }
 
 
@@ -113,17 +130,20 @@ def all_graphs(graph):  # noqa: ANN001, ANN201 - cim_int4 is not installed in th
 
 def make(name: str) -> dict:
     """Export model ``name`` to tests/zoo/<name>.onnx; returns its zoo.json entry."""
-    import onnx
     import torch
 
     build, kind, exporter, fp16, inputs_too = MODELS[name]
     torch.manual_seed(0)
     model = build()
+    path = HERE / f"{name}.onnx"
+    if kind == "cond":
+        program = torch.onnx.export(model.eval(), (torch.randn(2, 64),), dynamo=True, input_names=["x"])
+        program.save(str(path), external_data=False)
+        return _tidy(path, kind, exporter, fp16)
     model.config._attn_implementation = "eager"  # sdpa/flex masks use ops the legacy exporter lacks
     model = _wrapper(model.half() if fp16 else model.float(), kind)
     ids = torch.randint(0, VOCAB, (1, SEQ))
     mask = torch.ones(1, SEQ, dtype=torch.int64)
-    path = HERE / f"{name}.onnx"
     names = {"input_names": ["input_ids", "attention_mask"], "output_names": ["output"]}
     with torch.no_grad():
         if exporter == "legacy":
@@ -141,6 +161,13 @@ def make(name: str) -> dict:
             seq = torch.export.Dim("seq", min=2, max=64)
             program = torch.onnx.export(model, (ids, mask), dynamo=True, dynamic_shapes=({1: seq}, {1: seq}), **names)
             program.save(str(path), external_data=False)
+    return _tidy(path, kind, exporter, fp16)
+
+
+def _tidy(path: Path, kind: str, exporter: str, fp16: bool) -> dict:
+    """Strip the exported file of what only adds bytes, check it; its zoo.json entry."""
+    import onnx
+
     exported = onnx.load(str(path))
     for graph in all_graphs(exported.graph):
         for node in graph.node:  # the dynamo exporter's per-node stack traces: a third of the file
