@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper
 
 from .rewrite import ExportSummary, rewrite_model
+from .simplify import simplify_model
 
 # Protobuf cannot serialise 2 GiB; above this the attributes go to an external data file.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -118,9 +119,12 @@ def export_int4(
     exclude: Iterable[str] = (),
     min_size: int = 0,
     quiet: bool = False,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
+    ``fold_input_initializers``: see rewrite_model; ``simplify`` runs onnxsim first (extra ``simplify``).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that is the input, ValueError for a bad option.
     """
@@ -128,7 +132,14 @@ def export_int4(
     if output is not None and source_path is not None and _same_file(source_path, Path(output)):
         raise ExportError(f"{output}: output path is the input file; choose another output path")
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
-    quantized, summary = export_with_summary(proto, group_size=group_size, exclude=exclude, min_size=min_size)
+    quantized, summary = export_with_summary(
+        proto,
+        group_size=group_size,
+        exclude=exclude,
+        min_size=min_size,
+        fold_input_initializers=fold_input_initializers,
+        simplify=simplify,
+    )
     if not quiet:
         print(summary.format())
     if output is not None:
@@ -139,10 +150,27 @@ def export_int4(
 
 
 def export_with_summary(
-    model: onnx.ModelProto, *, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
+    model: onnx.ModelProto,
+    *,
+    group_size: int = 32,
+    exclude: Iterable[str] = (),
+    min_size: int = 0,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    quantized, summary = rewrite_model(model, group_size=group_size, exclude=list(exclude), min_size=min_size)
+    note = None
+    if simplify:
+        model, note = simplify_model(model)
+    quantized, summary = rewrite_model(
+        model,
+        group_size=group_size,
+        exclude=list(exclude),
+        min_size=min_size,
+        fold_input_initializers=fold_input_initializers,
+    )
+    if note:
+        summary.warnings.insert(0, note)
     if not summary.rewritten:
         raise NothingToQuantize(summary)
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
