@@ -14,6 +14,7 @@ from ..ops.names import OP_DOMAIN, OP_TYPE
 from . import io
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
 from .rewrite import ExportSummary, rewrite_model
+from .simplify import simplify_model
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 
@@ -106,17 +107,31 @@ def export_int4(
     exclude: Iterable[str] = (),
     min_size: int = 0,
     quiet: bool = False,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
-    From a path, weights are read one at a time and the output is written as it goes, so
-    memory stays well under the model's size. When the output has external data, the
+    ``fold_input_initializers``: see rewrite_model; ``simplify`` runs onnxsim first (extra ``simplify``).
+    From a path (without ``simplify``), weights are read one at a time and the output is
+    written as it goes, so memory stays well under the model's size. When the output has external data, the
     returned model refers to ``<output>.data`` (load it from ``output`` to get it whole).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that would touch a file the input reads, ValueError for a bad option.
     """
-    options = {"group_size": group_size, "exclude": exclude, "min_size": min_size}
-    if isinstance(model, onnx.ModelProto):
+    options = {
+        "group_size": group_size,
+        "exclude": exclude,
+        "min_size": min_size,
+        "fold_input_initializers": fold_input_initializers,
+        "simplify": simplify,
+    }
+    if isinstance(model, onnx.ModelProto) or simplify:
+        # onnxsim needs the whole model in memory: a simplified export does not stream.
+        if not isinstance(model, onnx.ModelProto):
+            if output is not None:
+                check_output_path(model, output)
+            model = load_model(model)
         quantized, summary = export_with_summary(model, **options)
         _report(summary, quiet)
         if output is not None:
@@ -159,18 +174,49 @@ def _wrote(output: str | os.PathLike, quiet: bool) -> None:
 
 
 def export_with_summary(
-    model: onnx.ModelProto, *, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
+    model: onnx.ModelProto,
+    *,
+    group_size: int = 32,
+    exclude: Iterable[str] = (),
+    min_size: int = 0,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    return _export(model, None, group_size=group_size, exclude=exclude, min_size=min_size)
+    return _export(
+        model,
+        None,
+        group_size=group_size,
+        exclude=exclude,
+        min_size=min_size,
+        fold_input_initializers=fold_input_initializers,
+        simplify=simplify,
+    )
 
 
 def _export(
-    model: onnx.ModelProto, tensors: TensorStore | None, *, group_size: int, exclude: Iterable[str], min_size: int
+    model: onnx.ModelProto,
+    tensors: TensorStore | None,
+    *,
+    group_size: int,
+    exclude: Iterable[str],
+    min_size: int,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
+    note = None
+    if simplify:
+        model, note = simplify_model(model)
     quantized, summary = rewrite_model(
-        model, group_size=group_size, exclude=list(exclude), min_size=min_size, tensors=tensors
+        model,
+        group_size=group_size,
+        exclude=list(exclude),
+        min_size=min_size,
+        fold_input_initializers=fold_input_initializers,
+        tensors=tensors,
     )
+    if note:
+        summary.warnings.insert(0, note)
     if not summary.rewritten:
         raise NothingToQuantize(summary, _int4_nodes(model))
     quantized.ir_version = min(quantized.ir_version, max_ir_version())

@@ -20,6 +20,8 @@ def _export(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         min_size=args.min_size,
         quiet=args.quiet,
+        fold_input_initializers=args.fold_input_initializers,
+        simplify=args.simplify,
     )
     return 0
 
@@ -155,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="node names (or regular expressions matching whole names) to leave in FP32; may be repeated",
     )
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
+    p.add_argument(
+        "--fold-input-initializers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="quantize initializers also listed as graph inputs silently (default: quantize them with a warning; "
+        "--no-fold-input-initializers leaves them FP32)",
+    )
+    p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
 

@@ -13,7 +13,7 @@
 //   fp32: per group  t = fma(a_k, c_k - 8, t) for k in order;  acc = fma(t, scale, acc)
 //   int8: per group  d = zsum + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
 // Loops, outer to inner:
-//   decode (M = 1): kDecodeTiles tiles side by side (independent FMA / vpdpbusd
+//   decode (M = 1): the 4 tiles of a strip side by side (independent FMA / vpdpbusd
 //     chains hide their latency), the stream read once, front to back.
 //   prefill (M > 1): blocks of kPrefillK codes (A's part stays in L2), of
 //     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows rows of A (in
@@ -64,23 +64,16 @@ struct TileKernels {
     for (int i = 0; i < NT; ++i) blk[i] = w.block(t0 + i, g);
   }
 
-  // Software prefetch of each tile's block kPrefetchGroups groups ahead. The loops do
-  // many operations per byte in fp32 mode, so the out-of-order window alone holds
-  // too few cache misses to stream from DRAM at full speed. Past a tile's last group
-  // this is the next tile's start (the stream is sequential); past the end of the
+  // Software prefetch kPrefetchBytes ahead in the stream, the span of the NT blocks just
+  // read. The loops do several operations per byte, so the out-of-order window alone
+  // holds too few cache misses to stream from DRAM at full speed. Past the end of the
   // stream a prefetch touches nothing (prefetches never fault).
-  #ifndef CIM_PFG
-#define CIM_PFG 4
-#endif
-  static constexpr int64_t kPrefetchGroups = CIM_PFG;
+  static constexpr int64_t kPrefetchBytes = 6144;
   template <int NT>
   static CIM_INLINE void prefetch_ahead(const PackedWeights& w, const uint8_t* const (&blk)[NT]) {
-    const uintptr_t ahead = static_cast<uintptr_t>(kPrefetchGroups * w.block_bytes);
-    for (int i = 0; i < NT; ++i) {
-      const uintptr_t base = reinterpret_cast<uintptr_t>(blk[i]) + ahead;
-      for (int64_t off = 0; off < w.block_bytes; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
-      }
+    const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(kPrefetchBytes);
+    for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
     }
   }
 
@@ -210,9 +203,7 @@ struct TileKernels {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
-#ifdef CIM_PF_INT8
       prefetch_ahead<NT>(w, blk);
-#endif
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
         const I z = S::set1_i32(qa.zsum[(m0 + r) * w.groups + g]);
@@ -298,6 +289,51 @@ struct TileKernels {
         }
       }
     }
+  }
+
+  // int8 mode's A, the same bits as quantize_a_portable: |a| maxima are exact in any
+  // order, q = cvtps2dq(a * inv) rounds half to even like nearbyint (ORT keeps MXCSR's
+  // default). Groups that are short, hold a NaN or an inf, or are all zero or tiny take
+  // the portable routine.
+  static void quantize_a(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
+                         float* scale, int32_t* zsum) {
+    const int64_t groups = (K + group_size - 1) / group_size;
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* a = A + m * lda + g * group_size;
+        const int64_t len = g * group_size + group_size <= K ? group_size : K - g * group_size;
+        int8_t* qg = q + (m * groups + g) * group_size;
+        float* sg = scale + m * groups + g;
+        int32_t* zg = zsum + m * groups + g;
+        if (len == group_size && quantize_group(a, group_size, qg, sg, zg)) continue;
+        quantize_group_portable(a, len, group_size, qg, sg, zg);
+      }
+    }
+  }
+
+  // One full group (a multiple of the vector width); false when the portable routine must decide.
+  static CIM_INLINE bool quantize_group(const float* a, int64_t len, int8_t* q, float* scale, int32_t* zsum) {
+    F amax_v = S::zero();
+    bool finite = true;
+    for (int64_t j = 0; j < len; j += S::kLanes) {
+      const F x = S::load(a + j);
+      finite = finite && S::all_finite(x);
+      amax_v = S::max(amax_v, S::abs(x));
+    }
+    if (!finite) return false;
+    const float amax = S::reduce_max(amax_v);
+    const float inv = 127.0f / amax;
+    if (amax == 0.0f || !(inv <= 3.4e38f)) return false;
+    const F inv_v = S::set1(inv);
+    I sum = S::set1_i32(0);
+    for (int64_t j = 0; j < len; j += S::kLanes) {
+      const I qi = S::round_i32(S::mul(S::load(a + j), inv_v));
+      S::store_i8(q + j, qi);
+      sum = S::add_i32(sum, qi);
+    }
+    *scale = amax / 127.0f;
+    *zsum = -8 * S::reduce_add_i32(sum);
+    return true;
   }
 
   static void matmul_fp32(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {

@@ -3,6 +3,7 @@
 // RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
 #include <onnxruntime_c_api.h>
 
+#include <malloc.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -302,6 +303,12 @@ class Kernel {
                                                  bias ? data_of<float>(bias.get()) : nullptr);
       if (!problem.empty()) attrs.fail(problem);
     }
+#if defined(__GLIBC__)
+    // The attribute copies are gone; glibc keeps freed blocks of this size in its heap
+    // (its mmap threshold grows with each large free), so hand the pages back: a
+    // session then holds the model ORT keeps plus our stream, not a third copy.
+    malloc_trim(0);
+#endif
 
     // CIM_INT4_KERNEL picks an instruction-set path by name; tests use it to run each one.
     const char* wanted = std::getenv("CIM_INT4_KERNEL");
