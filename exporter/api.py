@@ -12,7 +12,9 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper
 
-from .rewrite import ExportSummary, rewrite_model
+from .quantize import DEFAULT_SCALE_RULE
+from .rewrite import DEFAULT_COMPUTE, ExportSummary, rewrite_model
+from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
 
 # Protobuf cannot serialise 2 GiB; above this the attributes go to an external data file.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -117,10 +119,18 @@ def export_int4(
     group_size: int = 32,
     exclude: Iterable[str] = (),
     min_size: int = 0,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    compute: str = DEFAULT_COMPUTE,
+    feeds: str | os.PathLike | Feeds | None = None,
+    target_cosine: float = DEFAULT_TARGET_COSINE,
     quiet: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
+    ``scale_rule``: "amax8", "signed" or "mse" (see exporter.scale_rules); ``compute``: the
+    ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
+    a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
+    ``target_cosine`` on them (see exporter.sensitivity).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that is the input, ValueError for a bad option.
     """
@@ -128,7 +138,16 @@ def export_int4(
     if output is not None and source_path is not None and _same_file(source_path, Path(output)):
         raise ExportError(f"{output}: output path is the input file; choose another output path")
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
-    quantized, summary = export_with_summary(proto, group_size=group_size, exclude=exclude, min_size=min_size)
+    quantized, summary = export_with_summary(
+        proto,
+        group_size=group_size,
+        exclude=exclude,
+        min_size=min_size,
+        scale_rule=scale_rule,
+        compute=compute,
+        feeds=feeds,
+        target_cosine=target_cosine,
+    )
     if not quiet:
         print(summary.format())
     if output is not None:
@@ -139,11 +158,39 @@ def export_int4(
 
 
 def export_with_summary(
-    model: onnx.ModelProto, *, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
+    model: onnx.ModelProto,
+    *,
+    group_size: int = 32,
+    exclude: Iterable[str] = (),
+    min_size: int = 0,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    compute: str = DEFAULT_COMPUTE,
+    feeds: str | os.PathLike | Feeds | None = None,
+    target_cosine: float = DEFAULT_TARGET_COSINE,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    quantized, summary = rewrite_model(model, group_size=group_size, exclude=list(exclude), min_size=min_size)
+    exclude = list(exclude)
+    if feeds is None:
+        quantized, summary = rewrite_model(model, group_size, exclude, min_size, scale_rule=scale_rule, compute=compute)
+    else:
+        quantized, summary = export_mixed(
+            model,
+            feeds,
+            target_cosine,
+            group_size=group_size,
+            exclude=exclude,
+            min_size=min_size,
+            scale_rule=scale_rule,
+            compute=compute,
+        )
     if not summary.rewritten:
+        mixed = summary.mixed_precision
+        if mixed is not None and mixed.layers:
+            least = max(mixed.layers, key=lambda x: x.cosine_alone)
+            raise ExportError(
+                f"target cosine {target_cosine} needs every layer in FP32: even {least.name!r} alone in INT4 "
+                f"gives {least.cosine_alone:.6f}; lower --target-cosine or check the calibration inputs"
+            )
         raise NothingToQuantize(summary)
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary

@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
-from .quantize import check_group_size, quantize_weight
+from ..ops.reference import COMPUTE_MODES
+from .quantize import DEFAULT_SCALE_RULE, QuantizedWeight, check_group_size, quantize_weight
+from .scale_rules import check_scale_rule
+
+if TYPE_CHECKING:
+    from .sensitivity import MixedPrecision
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+# Written into every node's ``compute`` attribute unless the export asks otherwise.
+DEFAULT_COMPUTE = "fp32"
+
+
+def check_compute(compute: str) -> None:
+    """Raise ValueError unless ``compute`` is a compute mode of the op."""
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,12 @@ class ExportSummary:
     """What the rewrite did: nodes rewritten and skipped, weight bytes before and after."""
 
     group_size: int
+    scale_rule: str = DEFAULT_SCALE_RULE
+    compute: str = DEFAULT_COMPUTE
     rewritten: list[Rewritten] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
+    mixed_precision: MixedPrecision | None = None
 
     @property
     def bytes_before(self) -> int:
@@ -56,8 +74,8 @@ class ExportSummary:
     def format(self) -> str:
         """A human-readable report, one line per node."""
         lines = [
-            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}), "
-            f"{len(self.skipped)} skipped"
+            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}, "
+            f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
         ]
         for r in self.rewritten:
             lines.append(f"  quantized {r.op_type} {r.name!r}: K={r.k} N={r.n}")
@@ -66,6 +84,8 @@ class ExportSummary:
         if self.rewritten:
             ratio = self.bytes_before / max(self.bytes_after, 1)
             lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
+        if self.mixed_precision is not None:
+            lines.append(self.mixed_precision.format())
         return "\n".join(lines)
 
 
@@ -157,13 +177,21 @@ def _matmul_operands(node: onnx.NodeProto, consts: _Constants) -> tuple[np.ndarr
     return w, np.ascontiguousarray(np.broadcast_to(c.reshape(-1), (n,)), dtype=np.float32)
 
 
-def rewrite_model(
-    model: onnx.ModelProto,
-    group_size: int = 32,
-    exclude: Iterable[str] = (),
-    min_size: int = 0,
-) -> tuple[onnx.ModelProto, ExportSummary]:
-    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary."""
+@dataclass(frozen=True)
+class Candidate:
+    """An eligible MatMul/Gemm: its index in the graph, report label, weight [K, N] and bias [N] (or None)."""
+
+    index: int
+    label: str
+    op_type: str
+    w: np.ndarray
+    bias: np.ndarray | None
+
+
+def find_candidates(
+    model: onnx.ModelProto, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
+) -> tuple[list[Candidate], list[Skipped]]:
+    """The MatMul/Gemm nodes of ``model``'s main graph that can become CimInt4MatMul, and the others with why."""
     check_group_size(group_size)
     patterns = []
     for text in exclude:
@@ -171,23 +199,12 @@ def rewrite_model(
             patterns.append((text, re.compile(text)))
         except re.error as e:
             raise ValueError(f"exclude pattern {text!r} is not a valid regular expression: {e}") from e
-    for opset in model.opset_import:
-        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
-            raise ValueError(
-                f"model imports domain {OP_DOMAIN!r} at version {opset.version}; this exporter writes {OP_VERSION}"
-            )
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
-    consts = _Constants(graph)
-    summary = ExportSummary(group_size=group_size)
-
-    for index, node in enumerate(graph.node):
+    consts = _Constants(model.graph)
+    candidates, skipped = [], []
+    for index, node in enumerate(model.graph.node):
         if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
             continue
-        op_type = node.op_type
-        label = node.name or f"{op_type}#{index} -> {node.output[0]}"
+        label = node.name or f"{node.op_type}#{index} -> {node.output[0]}"
         try:
             pattern = _excluded(node.name, patterns)
             if pattern is not None:
@@ -201,19 +218,60 @@ def rewrite_model(
             if not np.all(np.isfinite(w)):
                 raise _Ineligible("weight has NaN or infinite values")
         except _Ineligible as why:
-            summary.skipped.append(Skipped(label, op_type, str(why)))
+            skipped.append(Skipped(label, node.op_type, str(why)))
             continue
+        candidates.append(Candidate(index, label, node.op_type, w, bias))
+    return candidates, skipped
 
-        qw = quantize_weight(w, group_size)
+
+def rewrite_model(
+    model: onnx.ModelProto,
+    group_size: int = 32,
+    exclude: Iterable[str] = (),
+    min_size: int = 0,
+    *,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    compute: str = DEFAULT_COMPUTE,
+    keep: Mapping[str, str] | None = None,
+    quantized: Mapping[str, QuantizedWeight] | None = None,
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
+
+    ``keep`` maps candidate labels to leave in FP32 to the reason the summary gives;
+    ``quantized`` holds weights already quantized (by label) under the same group size and rule.
+    """
+    check_scale_rule(scale_rule)
+    check_compute(compute)
+    for opset in model.opset_import:
+        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
+            raise ValueError(
+                f"model imports domain {OP_DOMAIN!r} at version {opset.version}; this exporter writes {OP_VERSION}"
+            )
+    candidates, skipped = find_candidates(model, group_size, exclude, min_size)
+    keep = keep or {}
+    quantized = quantized or {}
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    summary = ExportSummary(group_size=group_size, scale_rule=scale_rule, compute=compute, skipped=skipped)
+    for c in candidates:
+        if c.label in keep:
+            summary.skipped.append(Skipped(c.label, c.op_type, keep[c.label]))
+            continue
+        node = graph.node[c.index]
+        qw = quantized.get(c.label) or quantize_weight(c.w, group_size, scale_rule)
+        k, n = c.w.shape
         attrs = {
             "K": k,
             "N": n,
             "group_size": group_size,
             "packed": numpy_helper.from_array(qw.packed, "packed"),
             "scales": numpy_helper.from_array(qw.scales, "scales"),
+            "compute": compute,
         }
-        if bias is not None:
-            attrs["bias"] = numpy_helper.from_array(bias, "bias")
+        if c.bias is not None:
+            attrs["bias"] = numpy_helper.from_array(c.bias, "bias")
         new = helper.make_node(
             OP_TYPE,
             [node.input[0]],
@@ -222,15 +280,15 @@ def rewrite_model(
             domain=OP_DOMAIN,
             **attrs,
         )
-        graph.node[index].CopyFrom(new)
-        bias_bytes = 0 if bias is None else bias.nbytes
+        graph.node[c.index].CopyFrom(new)
+        bias_bytes = 0 if c.bias is None else c.bias.nbytes
         summary.rewritten.append(
             Rewritten(
-                name=label,
-                op_type=op_type,
+                name=c.label,
+                op_type=c.op_type,
                 k=k,
                 n=n,
-                bytes_before=w.nbytes + bias_bytes,
+                bytes_before=c.w.nbytes + bias_bytes,
                 bytes_after=qw.packed.nbytes + qw.scales.nbytes + bias_bytes,
             )
         )

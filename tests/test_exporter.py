@@ -64,6 +64,11 @@ def run_fp32(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray
     return sess.run(None, feeds)[0]
 
 
+def weight_error(deq: np.ndarray, w: np.ndarray) -> float:
+    """||deq - w|| / ||w||: ~0.09 for INT4 group-32 weights under any scale rule."""
+    return float(np.linalg.norm(deq - w) / np.linalg.norm(w))
+
+
 def rel_error(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
 
@@ -149,9 +154,8 @@ def test_mlp_rewrite(mlp_model: onnx.ModelProto) -> None:
     inits = {t.name: numpy_helper.to_array(t) for t in mlp_model.graph.initializer}
     np.testing.assert_array_equal(numpy_helper.to_array(fc1["bias"]), inits["fc1.bias"])
     deq = reference.dequantize(numpy_helper.to_array(fc1["packed"]), numpy_helper.to_array(fc1["scales"]), 512, 32)
-    step = np.repeat(numpy_helper.to_array(fc1["scales"]).astype(np.float64), 32, axis=1).T
-    # Round to nearest within one step (the clamped +max), proving the orientation [K, N].
-    assert (np.abs(deq - inits["fc1.weight"].T) <= step * (1 + 1e-6)).all()
+    # INT4 noise is ~9% of the weight; the wrong orientation [N, K] would be ~140%.
+    assert weight_error(deq, inits["fc1.weight"].T) < 0.15
     assert "bias" not in attributes(ops["fc0"]) and "bias" not in attributes(ops["fc2"])
 
     # Weights are gone; the biases of MatMul + Add layers stay, the Gemm's C was folded in.
@@ -418,8 +422,7 @@ def test_constant_node_weight_is_quantized() -> None:
     assert [n.op_type for n in q.graph.node] == [OP_TYPE], "the now unused Constant node must go"
     a = attributes(q.graph.node[0])
     deq = reference.dequantize(numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), 64, 32)
-    step = np.repeat(numpy_helper.to_array(a["scales"]).astype(np.float64), 32, axis=1).T
-    assert (np.abs(deq - w) <= step * (1 + 1e-6)).all()
+    assert weight_error(deq, w) < 0.15
 
 
 def test_gemm_alpha_beta_fold_and_trans_a_is_skipped() -> None:
@@ -445,8 +448,7 @@ def test_gemm_alpha_beta_fold_and_trans_a_is_skipped() -> None:
     a = attributes(nodes_by_name(q)["g"])
     np.testing.assert_array_equal(numpy_helper.to_array(a["bias"]), 2.0 * c)
     deq = reference.dequantize(numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), k, 32)
-    step = np.repeat(numpy_helper.to_array(a["scales"]).astype(np.float64), 32, axis=1).T
-    assert (np.abs(deq - 0.5 * b) <= step * (1 + 1e-6)).all()
+    assert weight_error(deq, 0.5 * b) < 0.15
     assert {"B", "C"} <= {t.name for t in q.graph.initializer}, "the skipped Gemm still reads B and C"
 
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .exporter import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, ExportError, NothingToQuantize, export_int4
+from .exporter import (
+    DEFAULT_COMPUTE,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_RULE,
+    SCALE_RULES,
+    SUPPORTED_GROUP_SIZES,
+    ExportError,
+    NothingToQuantize,
+    export_int4,
+)
+from .exporter.sensitivity import DEFAULT_TARGET_COSINE
+from .ops.reference import COMPUTE_MODES
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -15,6 +26,10 @@ def _export(args: argparse.Namespace) -> int:
         group_size=args.group_size,
         exclude=args.exclude,
         min_size=args.min_size,
+        scale_rule=args.scale_rule,
+        compute=args.compute,
+        feeds=args.feeds,
+        target_cosine=args.target_cosine,
         quiet=args.quiet,
     )
     return 0
@@ -63,6 +78,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="node names (or regular expressions matching whole names) to leave in FP32; may be repeated",
     )
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
+    p.add_argument(
+        "--scale-rule",
+        choices=SCALE_RULES,
+        default=DEFAULT_SCALE_RULE,
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}; README 'Accuracy')",
+    )
+    p.add_argument(
+        "--compute",
+        choices=COMPUTE_MODES,
+        default=DEFAULT_COMPUTE,
+        help=f"the nodes' compute mode: fp32 or int8 activations (default {DEFAULT_COMPUTE})",
+    )
+    p.add_argument(
+        "--feeds",
+        metavar="DATA.npz",
+        help="calibration inputs (arrays keyed by input name): keep the most sensitive layers FP32",
+    )
+    p.add_argument(
+        "--target-cosine",
+        type=float,
+        default=DEFAULT_TARGET_COSINE,
+        metavar="C",
+        help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE})",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)
 
