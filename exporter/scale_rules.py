@@ -96,13 +96,14 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
     live = am > 0
     # v: each group divided by |m| and oriented so that its extreme is exactly +1; code
     # range [-7, 8] there puts the 8th level on the extreme's side, [-8, 7] is the flip.
-    unit = np.sign(m) / np.where(live, am, np.float32(1.0))
-    v = blocks * unit[:, None]
+    # Divided, not multiplied by 1/|m|: that reciprocal overflows for subnormal groups.
+    safe_am = np.where(live, am, np.float32(1.0))
+    v = blocks / safe_am[:, None] * np.sign(m)[:, None]
     vv = np.einsum("ij,ij->i", v, v)
     dc = None
     if carry is not None:
         # carry in v units; a group far smaller than the carry cannot cancel it, so cap it
-        dc = (np.clip(carry * unit, -1e6, 1e6) + v.sum(axis=1)).astype(np.float32)
+        dc = (np.clip(carry / safe_am * np.sign(m), -1e6, 1e6) + v.sum(axis=1)).astype(np.float32)
     best_err = np.full(len(v), np.inf, dtype=np.float32)
     best_t = np.full(len(v), np.float32(1.0 / 8.0))  # the step in units of |m|
     best_flip = np.zeros(len(v), dtype=bool)

@@ -12,7 +12,7 @@ the dequantized INT4 weight of a layer there gives that layer's exact INT4 weigh
 3. layers ordered by damage; assuming damages add, the fewest most-damaging layers to keep
    in FP32 for the target is the first guess, then a bisection over that order with full
    runs (every other layer in INT4) finds the fewest that reach the target. Each probe is
-   one run, at most ``1 + ceil(log2(L + 1))`` of them for L candidates.
+   one run: every layer INT4, the guess, then at most ``ceil(log2(L + 1))`` more.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
 Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper
 from ..ops.reference import dequantize
 from ..ops.session import session_options
 from .quantize import QuantizedWeight, quantize_weight
-from .rewrite import Candidate, ExportSummary, find_candidates, rewrite_model
+from .rewrite import Candidate, ExportSummary, _drop_unused_constants, find_candidates, rewrite_model
 
 DEFAULT_TARGET_COSINE = 0.99
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
@@ -139,6 +139,7 @@ def _probe_model(model: onnx.ModelProto, candidates: Sequence[Candidate]) -> tup
     del graph.node[:]
     for entry in nodes:
         graph.node.extend(entry if isinstance(entry, list) else [entry])
+    _drop_unused_constants(graph)  # the original weights: the probe has its own copies
     return probe, names
 
 
@@ -211,7 +212,9 @@ def plan(
     if not candidates:
         return {}, {}, report
     probe, w_names = _probe_model(model, candidates)
-    session = _session(probe, ort.SessionOptions())
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
+    session = _session(probe, options)
     quantized = {c.label: quantize_weight(c.w, group_size, scale_rule) for c in candidates}
 
     def int4_weight(i: int) -> np.ndarray:
@@ -234,15 +237,14 @@ def plan(
 
     cosine_at: dict[int, float] = {len(order): 1.0}
     lo, hi = -1, len(order)  # a keep-count known to miss (or none), the smallest known to reach
-    probe_k = guess
+    for k in (0, guess):  # every layer INT4 first, then the guess, then bisection
+        if lo < k < hi or (k == 0 and hi > 0):
+            cosine_at[k] = run(order[k:])
+            lo, hi = (lo, k) if cosine_at[k] >= target_cosine else (k, hi)
     while hi - lo > 1:
-        k = probe_k if lo < probe_k < hi else (lo + hi) // 2
+        k = (lo + hi) // 2
         cosine_at[k] = run(order[k:])
-        if cosine_at[k] >= target_cosine:
-            hi = k
-        else:
-            lo = k
-        probe_k = -1
+        lo, hi = (lo, k) if cosine_at[k] >= target_cosine else (k, hi)
     report.cosine_all_int4 = cosine_at.get(0)
     report.cosine_probe = cosine_at[hi]
     kept_set = set(order[:hi])
