@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper
 
 from .quantize import DEFAULT_SCALE_RULE
-from .rewrite import DEFAULT_COMPUTE, ExportSummary, rewrite_model
+from .rewrite import DEFAULT_COMPUTE, ExportOptions, ExportSummary, rewrite_model
 from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
 
 # Protobuf cannot serialise 2 GiB; above this the attributes go to an external data file.
@@ -127,7 +127,7 @@ def export_int4(
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
-    ``scale_rule``: "amax8", "signed" or "mse" (see exporter.scale_rules); ``compute``: the
+    ``scale_rule``: one of SCALE_RULES (see exporter.scale_rules); ``compute``: the
     ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
     a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
     ``target_cosine`` on them (see exporter.sensitivity).
@@ -138,16 +138,8 @@ def export_int4(
     if output is not None and source_path is not None and _same_file(source_path, Path(output)):
         raise ExportError(f"{output}: output path is the input file; choose another output path")
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
-    quantized, summary = export_with_summary(
-        proto,
-        group_size=group_size,
-        exclude=exclude,
-        min_size=min_size,
-        scale_rule=scale_rule,
-        compute=compute,
-        feeds=feeds,
-        target_cosine=target_cosine,
-    )
+    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute)
+    quantized, summary = _export(proto, options, feeds, target_cosine)
     if not quiet:
         print(summary.format())
     if output is not None:
@@ -169,20 +161,17 @@ def export_with_summary(
     target_cosine: float = DEFAULT_TARGET_COSINE,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    exclude = list(exclude)
+    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute)
+    return _export(model, options, feeds, target_cosine)
+
+
+def _export(
+    model: onnx.ModelProto, options: ExportOptions, feeds: str | os.PathLike | Feeds | None, target_cosine: float
+) -> tuple[onnx.ModelProto, ExportSummary]:
     if feeds is None:
-        quantized, summary = rewrite_model(model, group_size, exclude, min_size, scale_rule=scale_rule, compute=compute)
+        quantized, summary = rewrite_model(model, options)
     else:
-        quantized, summary = export_mixed(
-            model,
-            feeds,
-            target_cosine,
-            group_size=group_size,
-            exclude=exclude,
-            min_size=min_size,
-            scale_rule=scale_rule,
-            compute=compute,
-        )
+        quantized, summary = export_mixed(model, feeds, target_cosine, options)
     if not summary.rewritten:
         mixed = summary.mixed_precision
         if mixed is not None and mixed.layers:

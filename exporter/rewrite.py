@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from ..ops.reference import COMPUTE_MODES
-from .quantize import DEFAULT_SCALE_RULE, QuantizedWeight, check_group_size, quantize_weight
+from .quantize import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_RULE, QuantizedWeight, check_group_size, quantize_weight
 from .scale_rules import check_scale_rule
 
 if TYPE_CHECKING:
@@ -178,6 +178,23 @@ def _matmul_operands(node: onnx.NodeProto, consts: _Constants) -> tuple[np.ndarr
 
 
 @dataclass(frozen=True)
+class ExportOptions:
+    """How to export: which nodes (group size, exclusions, minimum size) and how (scale rule, compute mode)."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    exclude: tuple[str, ...] = ()
+    min_size: int = 0
+    scale_rule: str = DEFAULT_SCALE_RULE
+    compute: str = DEFAULT_COMPUTE
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size)
+        check_scale_rule(self.scale_rule)
+        check_compute(self.compute)
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+
+@dataclass(frozen=True)
 class Candidate:
     """An eligible MatMul/Gemm: its index in the graph, report label, weight [K, N] and bias [N] (or None)."""
 
@@ -188,13 +205,11 @@ class Candidate:
     bias: np.ndarray | None
 
 
-def find_candidates(
-    model: onnx.ModelProto, group_size: int = 32, exclude: Iterable[str] = (), min_size: int = 0
-) -> tuple[list[Candidate], list[Skipped]]:
+def find_candidates(model: onnx.ModelProto, options: ExportOptions) -> tuple[list[Candidate], list[Skipped]]:
     """The MatMul/Gemm nodes of ``model``'s main graph that can become CimInt4MatMul, and the others with why."""
-    check_group_size(group_size)
+    group_size, min_size = options.group_size, options.min_size
     patterns = []
-    for text in exclude:
+    for text in options.exclude:
         try:
             patterns.append((text, re.compile(text)))
         except re.error as e:
@@ -226,49 +241,44 @@ def find_candidates(
 
 def rewrite_model(
     model: onnx.ModelProto,
-    group_size: int = 32,
-    exclude: Iterable[str] = (),
-    min_size: int = 0,
+    options: ExportOptions | None = None,
     *,
-    scale_rule: str = DEFAULT_SCALE_RULE,
-    compute: str = DEFAULT_COMPUTE,
     keep: Mapping[str, str] | None = None,
     quantized: Mapping[str, QuantizedWeight] | None = None,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
 
     ``keep`` maps candidate labels to leave in FP32 to the reason the summary gives;
-    ``quantized`` holds weights already quantized (by label) under the same group size and rule.
+    ``quantized`` holds weights already quantized (by label) with the same options.
     """
-    check_scale_rule(scale_rule)
-    check_compute(compute)
+    options = options or ExportOptions()
     for opset in model.opset_import:
         if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
             raise ValueError(
                 f"model imports domain {OP_DOMAIN!r} at version {opset.version}; this exporter writes {OP_VERSION}"
             )
-    candidates, skipped = find_candidates(model, group_size, exclude, min_size)
+    candidates, skipped = find_candidates(model, options)
     keep = keep or {}
     quantized = quantized or {}
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    summary = ExportSummary(group_size=group_size, scale_rule=scale_rule, compute=compute, skipped=skipped)
+    summary = ExportSummary(options.group_size, options.scale_rule, options.compute, skipped=skipped)
     for c in candidates:
         if c.label in keep:
             summary.skipped.append(Skipped(c.label, c.op_type, keep[c.label]))
             continue
         node = graph.node[c.index]
-        qw = quantized.get(c.label) or quantize_weight(c.w, group_size, scale_rule)
+        qw = quantized.get(c.label) or quantize_weight(c.w, options.group_size, options.scale_rule)
         k, n = c.w.shape
         attrs = {
             "K": k,
             "N": n,
-            "group_size": group_size,
+            "group_size": options.group_size,
             "packed": numpy_helper.from_array(qw.packed, "packed"),
             "scales": numpy_helper.from_array(qw.scales, "scales"),
-            "compute": compute,
+            "compute": options.compute,
         }
         if c.bias is not None:
             attrs["bias"] = numpy_helper.from_array(c.bias, "bias")

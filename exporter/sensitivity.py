@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,14 @@ from onnx import helper, numpy_helper
 from ..ops.reference import dequantize
 from ..ops.session import session_options
 from .quantize import QuantizedWeight, quantize_weight
-from .rewrite import Candidate, ExportSummary, _drop_unused_constants, find_candidates, rewrite_model
+from .rewrite import (
+    Candidate,
+    ExportOptions,
+    ExportSummary,
+    _drop_unused_constants,
+    find_candidates,
+    rewrite_model,
+)
 
 DEFAULT_TARGET_COSINE = 0.99
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
@@ -45,40 +52,35 @@ _PROBE_PREFIX = "cim_int4.probe."
 Feeds = Mapping[str, np.ndarray]
 
 
+def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
+    for ref, out in zip(reference, outputs, strict=True):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.dtype.kind != "f" or ref.size == 0:
+            continue
+        rows = 1 if ref.ndim < 2 else ref.shape[0]
+        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
+
+
 def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
     """Worst cosine similarity between float outputs and their references, per index of the first axis."""
     worst = 1.0
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f":
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        r = ref.astype(np.float64).reshape(rows, -1)
-        o = out.astype(np.float64).reshape(rows, -1)
-        norms = np.linalg.norm(r, axis=1) * np.linalg.norm(o, axis=1)
-        dots = np.einsum("ij,ij->i", r, o)
+    for r, o in _rows(reference, outputs):
+        nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
         # Two all-zero rows agree; one zero row against a non-zero one does not.
-        same_zero = (np.linalg.norm(r, axis=1) == 0) & (np.linalg.norm(o, axis=1) == 0)
-        cos = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(same_zero, 1.0, 0.0))
-        if cos.size:
-            worst = min(worst, float(cos.min()))
+        both = nr * no
+        cos = np.where(both > 0, np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0), (nr == 0) & (no == 0))
+        worst = min(worst, float(cos.min()))
     return worst
 
 
 def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
     """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
     worst = 0.0
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f":
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        r = ref.astype(np.float64).reshape(rows, -1)
-        d = np.linalg.norm(out.astype(np.float64).reshape(rows, -1) - r, axis=1)
-        n = np.linalg.norm(r, axis=1)
+    for r, o in _rows(reference, outputs):
+        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
         rel = np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0))
-        if rel.size:
-            worst = max(worst, float(rel.max()))
+        worst = max(worst, float(rel.max()))
     return worst
 
 
@@ -195,31 +197,24 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 
 
 def plan(
-    model: onnx.ModelProto,
-    feeds: Feeds,
-    target_cosine: float = DEFAULT_TARGET_COSINE,
-    *,
-    group_size: int = 32,
-    exclude: Sequence[str] = (),
-    min_size: int = 0,
-    scale_rule: str,
+    model: onnx.ModelProto, feeds: Feeds, target_cosine: float, options: ExportOptions
 ) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
     """Which candidate layers to keep FP32 (label -> reason), every candidate's INT4 weight, and the report."""
     if not 0.0 < target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
-    candidates, _ = find_candidates(model, group_size, exclude, min_size)
+    candidates, _ = find_candidates(model, options)
     report = MixedPrecision(target_cosine=target_cosine)
     if not candidates:
         return {}, {}, report
     probe, w_names = _probe_model(model, candidates)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-    session = _session(probe, options)
-    quantized = {c.label: quantize_weight(c.w, group_size, scale_rule) for c in candidates}
+    quiet = ort.SessionOptions()
+    quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
+    session = _session(probe, quiet)
+    quantized = {c.label: quantize_weight(c.w, options.group_size, options.scale_rule) for c in candidates}
 
     def int4_weight(i: int) -> np.ndarray:
         qw = quantized[candidates[i].label]
-        return dequantize(qw.packed, qw.scales, qw.k, group_size).astype(np.float32)
+        return dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
 
     def run(int4_layers: Sequence[int]) -> float:
         report.runs += 1
@@ -256,37 +251,12 @@ def plan(
 
 
 def export_mixed(
-    model: onnx.ModelProto,
-    feeds: str | os.PathLike | Feeds,
-    target_cosine: float = DEFAULT_TARGET_COSINE,
-    *,
-    group_size: int = 32,
-    exclude: Sequence[str] = (),
-    min_size: int = 0,
-    scale_rule: str,
-    compute: str,
+    model: onnx.ModelProto, feeds: str | os.PathLike | Feeds, target_cosine: float, options: ExportOptions
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach ``target_cosine`` on ``feeds``."""
     feeds = load_feeds(feeds, model)
-    keep, quantized, report = plan(
-        model,
-        feeds,
-        target_cosine,
-        group_size=group_size,
-        exclude=exclude,
-        min_size=min_size,
-        scale_rule=scale_rule,
-    )
-    out, summary = rewrite_model(
-        model,
-        group_size,
-        exclude,
-        min_size,
-        scale_rule=scale_rule,
-        compute=compute,
-        keep=keep,
-        quantized=quantized,
-    )
+    keep, quantized, report = plan(model, feeds, target_cosine, options)
+    out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
     summary.mixed_precision = report
     if summary.rewritten:
         fp32 = _session(model, session_options(pin=False))

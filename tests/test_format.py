@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import onnx
 import pytest
@@ -225,6 +227,14 @@ def groups_of(w: np.ndarray, g: int) -> np.ndarray:
     return padded.T.reshape(n, -1, g)
 
 
+def each_group(w: np.ndarray, g: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(channel, group index, float64 group) in K order per channel."""
+    blocks = groups_of(w, g)
+    for n in range(blocks.shape[0]):
+        for j in range(blocks.shape[1]):
+            yield n, j, blocks[n, j]
+
+
 def extreme(group: np.ndarray) -> float:
     """The value of largest magnitude, the positive one on a tie."""
     hi, lo = float(group.max()), float(group.min())
@@ -272,12 +282,9 @@ def test_every_rule_keeps_the_code_contract(rule: str, rng: np.random.Generator)
 def test_signed_rule_maps_the_largest_magnitude_to_minus_8(rng: np.random.Generator) -> None:
     w = random_groups(rng)
     q, scales = quantize(w, 32, "signed")
-    blocks = groups_of(w, 32)
-    for n in range(blocks.shape[0]):
-        for j in range(blocks.shape[1]):
-            group = blocks[n, j]
-            assert scales[n, j] == np.float32(np.float32(extreme(group)) / np.float32(-8.0))
-            assert q[n, 32 * j + int(np.argmax(np.abs(group) * (1 + 1e-9 * (group > 0))))] == -8
+    for n, j, group in each_group(w, 32):
+        assert scales[n, j] == np.float32(np.float32(extreme(group)) / np.float32(-8.0))
+        assert q[n, 32 * j + int(np.argmax(np.abs(group) * (1 + 1e-9 * (group > 0))))] == -8
     assert (scales < 0).any() and (scales > 0).any()
 
 
@@ -292,37 +299,32 @@ def test_signed_rule_tie_takes_the_positive_value() -> None:
 def test_mse_rule_is_the_best_documented_candidate(rng: np.random.Generator) -> None:
     w = random_groups(rng)
     _, scales = quantize(w, 32, "mse")
-    blocks = groups_of(w, 32)
-    for n in range(blocks.shape[0]):
-        for j in range(blocks.shape[1]):
-            group = blocks[n, j]
-            got = sq_error(group, float(scales[n, j]))
-            best = min(sq_error(group, s) for s in oracle_candidates(group))
-            # Searched in float32: ties may round either way; 1e-4 is far below the gap between candidates.
-            assert got <= best * (1 + 1e-4) + 1e-30, (n, j, got, best)
-            assert got <= sq_error(group, extreme(group) / -8) * (1 + 1e-4) + 1e-30
+    for n, j, group in each_group(w, 32):
+        got = sq_error(group, float(scales[n, j]))
+        best = min(sq_error(group, s) for s in oracle_candidates(group))
+        # Searched in float32: ties may round either way; 1e-4 is far below the gap between candidates.
+        assert got <= best * (1 + 1e-4) + 1e-30, (n, j, got, best)
+        assert got <= sq_error(group, extreme(group) / -8) * (1 + 1e-4) + 1e-30
 
 
 def test_balanced_rule_beats_every_candidate_on_its_objective(rng: np.random.Generator) -> None:
     balance = 0.03
     w = random_groups(rng, k=256, n=16)
     _, scales = quantize(w, 32, "balanced")
-    blocks = groups_of(w, 32)
-    for n in range(blocks.shape[0]):
-        carry = 0.0
-        for j in range(blocks.shape[1]):
-            group = blocks[n, j]
+    carry = 0.0
+    for n, j, group in each_group(w, 32):
+        carry = 0.0 if j == 0 else carry
 
-            def objective(s: float, group: np.ndarray = group, carry: float = carry) -> float:
-                e = group - s * codes(group, s)
-                return float(e @ e + balance * (carry + e.sum()) ** 2)
+        def objective(s: float, group: np.ndarray = group, carry: float = carry) -> float:
+            e = group - s * codes(group, s)
+            return float(e @ e + balance * (carry + e.sum()) ** 2)
 
-            m = extreme(group)
-            grid = [m / -d for d in ORACLE_DIVISORS] + [m / d for d in ORACLE_FLIPPED]
-            got = objective(float(scales[n, j]))
-            best = min(objective(s) for s in grid)
-            assert got <= best * (1 + 1e-3) + 1e-12, (n, j, got, best)
-            carry += float((group - scales[n, j] * codes(group, float(scales[n, j]))).sum())
+        m = extreme(group)
+        grid = [m / -d for d in ORACLE_DIVISORS] + [m / d for d in ORACLE_FLIPPED]
+        got = objective(float(scales[n, j]))
+        best = min(objective(s) for s in grid)
+        assert got <= best * (1 + 1e-3) + 1e-12, (n, j, got, best)
+        carry += float((group - scales[n, j] * codes(group, float(scales[n, j]))).sum())
 
 
 def test_balanced_rule_cancels_the_error_sum_along_each_channel(rng: np.random.Generator) -> None:
