@@ -105,7 +105,6 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
     divisors = np.array(MSE_DIVISORS + MSE_FLIPPED_DIVISORS, dtype=np.float32)[:, None, None]
     lo = np.where(flip, np.float32(-8), np.float32(-7))[:, None, None]
     hi = np.where(flip, np.float32(7), np.float32(8))[:, None, None]
-    ones = np.ones(v.shape[1], dtype=np.float32)
 
     def score(q: np.ndarray, t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(objective, step) per candidate and row for codes ``q``; ``t`` None: the least-squares step."""
@@ -116,7 +115,7 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
             # re-rounding at that step can only lower the error further.
             t = vq / np.where(qq > 0, qq, np.float32(1.0))
             return vv - vq * t, t
-        bias = dc - t * (q @ ones)
+        bias = dc - t * np.einsum("crg->cr", q)
         return vv - 2 * t * vq + t * t * qq + np.float32(BALANCE) * bias * bias, t
 
     q = np.clip(np.rint(v * divisors), lo, hi)
@@ -124,12 +123,12 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
         err, step = score(q, None)
     else:
         # carry in v units; a group far smaller than the carry cannot cancel it, so cap it
-        dc = (np.clip(carry / safe_am * np.sign(m), -1e6, 1e6) + v @ ones).astype(np.float32)
+        dc = (np.clip(carry / safe_am * np.sign(m), -1e6, 1e6) + v.sum(axis=1)).astype(np.float32)
         grid = np.broadcast_to(np.float32(1.0) / divisors[:, :, 0], q.shape[:2])
         err0, _ = score(q, grid)
         # Each candidate's codes at the step that is best for them under the balanced
         # objective, scored with the codes that step rounds to (re-rounding moves the sum).
-        sq = q @ ones
+        sq = np.einsum("crg->cr", q)
         den = np.einsum("crg,crg->cr", q, q) + np.float32(BALANCE) * sq * sq
         t = (np.einsum("crg,rg->cr", q, v) + np.float32(BALANCE) * sq * dc) / np.where(den > 0, den, 1)
         t = np.where(t > 0, t, grid).astype(np.float32)
