@@ -618,3 +618,19 @@ def test_cli_scale_rule_and_compute(mlp_file: Path, capsys) -> None:
     for bad in (["--scale-rule", "median"], ["--compute", "fp16"]):
         code, _, err = run_cli(["export", str(mlp_file), "-o", str(out), *bad], capsys)
         assert code == 2 and "invalid choice" in err
+
+
+def test_old_files_without_compute_attribute_run_the_same(mlp_model: onnx.ModelProto) -> None:
+    new = quantize(mlp_model, scale_rule="amax8")
+    old = onnx.ModelProto()
+    old.CopyFrom(new)
+    for node in old.graph.node:
+        if node.op_type == OP_TYPE:
+            kept = [a for a in node.attribute if a.name != "compute"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    assert not any(a.name == "compute" for n in old.graph.node for a in n.attribute)
+    feeds = random_input(mlp_model, {"batch": 3}, seed=6)
+    np.testing.assert_array_equal(
+        make_session(old, threads=1).run(None, feeds)[0], make_session(new, threads=1).run(None, feeds)[0]
+    )

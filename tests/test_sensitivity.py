@@ -128,3 +128,23 @@ def test_cli_feeds_and_target(tmp_path: Path, llama: onnx.ModelProto, calibratio
     assert worst_cosine(outputs(llama, calibration), outputs(onnx.load(out), calibration)) >= 0.995
     assert main(["export", str(src), "-o", str(out), "--feeds", str(tmp_path / "missing.npz")]) == 1
     assert "missing.npz" in capsys.readouterr().err
+
+
+def test_summary_flags_an_export_below_the_target() -> None:
+    from cim_int4.exporter.sensitivity import LayerSensitivity, MixedPrecision
+
+    report = MixedPrecision(target_cosine=0.99, layers=[LayerSensitivity("a", 64, 0.98, False)])
+    report.cosine_exported = 0.995
+    assert "below the target" not in report.format()
+    report.cosine_exported = 0.985
+    assert "below the target" in report.format()
+
+
+def test_cli_target_without_feeds_is_an_error(tmp_path: Path, llama: onnx.ModelProto, capsys) -> None:
+    from cim_int4.cli import main
+
+    src = tmp_path / "m.onnx"
+    onnx.save(llama, src)
+    assert main(["export", str(src), "-o", str(tmp_path / "o.onnx"), "--target-cosine", "0.9"]) == 1
+    assert "--target-cosine needs --feeds" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()

@@ -20,6 +20,8 @@ from .ops.reference import COMPUTE_MODES
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.target_cosine is not None and args.feeds is None:
+        raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
     export_int4(
         args.model,
         args.output,
@@ -29,7 +31,7 @@ def _export(args: argparse.Namespace) -> int:
         scale_rule=args.scale_rule,
         compute=args.compute,
         feeds=args.feeds,
-        target_cosine=args.target_cosine,
+        target_cosine=DEFAULT_TARGET_COSINE if args.target_cosine is None else args.target_cosine,
         quiet=args.quiet,
     )
     return 0
@@ -98,7 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-cosine",
         type=float,
-        default=DEFAULT_TARGET_COSINE,
         metavar="C",
         help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE})",
     )
