@@ -148,3 +148,15 @@ def test_cli_target_without_feeds_is_an_error(tmp_path: Path, llama: onnx.ModelP
     assert main(["export", str(src), "-o", str(tmp_path / "o.onnx"), "--target-cosine", "0.9"]) == 1
     assert "--target-cosine needs --feeds" in capsys.readouterr().err
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, monkeypatch) -> None:
+    # Above 1 GiB the probe and the check run from a temporary file; a tiny limit takes that path here.
+    import cim_int4.exporter.sensitivity as sensitivity
+
+    _, in_memory = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
+    monkeypatch.setattr(sensitivity, "_IN_MEMORY_LIMIT", 1)
+    _, from_files = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
+    a, b = in_memory.mixed_precision, from_files.mixed_precision
+    assert [x.kept for x in a.layers] == [x.kept for x in b.layers]
+    assert b.cosine_exported == pytest.approx(a.cosine_exported, abs=1e-6)
