@@ -8,7 +8,7 @@ from functools import partial
 import onnx
 
 from ._common import IR_VERSION, OPSET
-from .feeds import random_input
+from .feeds import guess_vocabulary, load_feeds, model_feeds, random_input
 from .llama import LlamaConfig, llama_decoder
 from .simple import matmul_chain, mlp, single_matmul
 
@@ -28,6 +28,9 @@ __all__ = [
     "llama_decoder",
     "matmul_chain",
     "mlp",
+    "guess_vocabulary",
+    "load_feeds",
+    "model_feeds",
     "random_input",
     "single_matmul",
 ]

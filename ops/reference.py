@@ -16,7 +16,8 @@ groups ``g`` of ``group_size`` k in order, codes ``c`` (0..15) and weight scale 
 * ``"fp32"``: ``t = 0; for k in g: t = fma(a[m, k], c - 8, t)``; ``acc = fma(t, s, acc)``.
 * ``"int8"``: each row of A is quantized per group (``quantize_activations``):
   ``amax = max|a|``, ``qa = rint(a * (127 / amax))`` (int8, |qa| <= 127, 0 where amax = 0),
-  ``as = amax / 127``, ``bsum = sum qa``. Then per group the exact integer
+  ``as = amax / 127``, ``bsum = sum qa`` (a group with amax = 0 or 127 / amax overflowing
+  counts as zero). Then per group the exact integer
   ``d = sum qa * c - 8 * bsum`` and ``acc = fma(float(d), as * s, acc)``.
 
 Both end with ``y = acc + bias`` (when there is a bias). All float operations are float32.
@@ -102,10 +103,13 @@ def quantize_activations(a: np.ndarray, k: int, group_size: int) -> tuple[np.nda
     m = rows.shape[0]
     blocks = rows.reshape(m, -1, group_size)
     amax = np.abs(blocks).max(axis=2)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
-    qa = np.rint(blocks * inv.astype(np.float32)[:, :, None]).astype(np.int8)
-    ascale = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = (np.float32(127) / amax).astype(np.float32)
+        # A group counts as zero when amax is 0 or so small that 127 / amax overflows; a
+        # non-finite amax (inf or NaN in A) gives scale = amax, so the output is not finite.
+        normal = np.isfinite(amax) & (amax > 0) & np.isfinite(inv)
+        qa = np.where(normal[:, :, None], np.rint(blocks * np.where(normal, inv, 0)[:, :, None]), 0).astype(np.int8)
+        ascale = np.where(normal, amax / np.float32(127), np.where(np.isfinite(amax), 0, amax)).astype(np.float32)
     bsum = qa.astype(np.int32).sum(axis=2)
     return qa.reshape(m, -1), ascale, bsum
 

@@ -13,6 +13,7 @@ import onnxruntime as ort
 from .library import library_path
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
+BACKENDS = ("native", "reference")
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,16 +52,20 @@ def thread_affinities(threads: int, cores: Sequence[Sequence[int]]) -> tuple[lis
 
 
 def session_options(
-    threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
+    threads: int | None = None,
+    pin: bool = True,
+    config: Mapping[str, str] | None = None,
+    ops_library: str | None = None,
 ) -> ort.SessionOptions:
     """SessionOptions with the op library registered, ``threads`` intra-op threads (default: physical cores), pinned.
 
-    ``config`` adds ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``).
+    ``config`` adds ORT session config entries (e.g. ``{"session.force_spinning_stop": "1"}``);
+    ``ops_library`` registers another custom-op library in place of ours.
     """
     cores = physical_cores()
     n = len(cores) if threads is None else threads
     so = ort.SessionOptions()
-    so.register_custom_ops_library(library_path())
+    so.register_custom_ops_library(ops_library or library_path())
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     if pin and n > 1:
@@ -72,7 +77,11 @@ def session_options(
 
 
 def make_session(
-    model: ModelSource, threads: int | None = None, pin: bool = True, config: Mapping[str, str] | None = None
+    model: ModelSource,
+    threads: int | None = None,
+    pin: bool = True,
+    config: Mapping[str, str] | None = None,
+    backend: str = "native",
 ) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (path, bytes or ModelProto) that can run CimInt4MatMul.
 
@@ -81,14 +90,23 @@ def make_session(
     never pins but which also runs work, is pinned here to the first core. ``config``
     adds ORT session config entries. Without
     ``pin``, the calling thread is given back all CPUs of the process (pool threads
-    inherit its affinity).
+    inherit its affinity). ``backend="reference"`` runs CimInt4MatMul with the NumPy
+    reference through onnxruntime-extensions instead of our library (see reference_backend).
     """
-    so = session_options(threads, pin, config)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reference = backend == "reference"
+    # Imported here: reference_backend reads the exporter's constants, and the exporter imports this package.
+    from .reference_backend import extensions_library, reference_session
+
+    so = session_options(threads, pin, config, ops_library=extensions_library() if reference else None)
     if pin:
         cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
         os.sched_setaffinity(0, {cpus[0]})
     else:
         os.sched_setaffinity(0, set(_allowed_cpus()))
+    if reference:
+        return reference_session(model, so)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif not isinstance(model, bytes):

@@ -175,8 +175,8 @@ def _bad_attribute_cases() -> list:
         "packed missing": ("packed", dict(packed=None)),
         "packed padding low nibble": ("packed", dict(packed=bad_padding_low)),
         "packed padding high nibble": ("packed", dict(packed=bad_padding_high)),
-        # K = 90 keeps 4 groups, so shapes match, but codes of k = 90..99 are not padding.
-        "K smaller than the data": ("packed", dict(K=90)),
+        # K = 97 keeps 4 groups, so shapes match, but codes of k = 97..99 are not padding.
+        "K smaller than the data": ("packed", dict(K=97)),
         "scales transposed": ("scales", dict(scales=qw.scales.T.copy())),
         "scales one group short": ("scales", dict(scales=qw.scales[:, :-1].copy())),
         "scales float64": ("scales", dict(scales=qw.scales.astype(np.float64))),

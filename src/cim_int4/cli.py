@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import onnx
+
 from .exporter import (
     DEFAULT_COMPUTE,
     DEFAULT_GROUP_SIZE,
@@ -17,6 +19,8 @@ from .exporter import (
 )
 from .exporter.sensitivity import DEFAULT_TARGET_COSINE
 from .ops.reference import COMPUTE_MODES
+from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
+from .report import MissingPlotting
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -37,15 +41,90 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# Exit code of ``validate`` when a quantized layer does not match its dequantized weights.
+DIVERGED = 4
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .exporter.convert import convert_file
+
+    convert_file(args.model, args.output, compute=args.compute, quiet=args.quiet)
+    return 0
+
+
+def _genai(args: argparse.Namespace) -> int:
+    from .genai import prepare
+
+    prepare(args.folder, args.output, compute=args.compute, group_size=args.group_size, quiet=args.quiet)
+    return 0
+
+
+def _genai_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .genai_bench import compare, format_comparison
+
+    report = compare(
+        args.folder, prompt_len=args.prompt_len, steps=args.steps, repeats=args.repeats, threads=args.threads
+    )
+    print(format_comparison(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from .exporter import load_model
-    from .graphs import random_input
+    from .report import check_plotting, write_json
     from .validate import compare
 
-    fp32, int4 = load_model(args.fp32), load_model(args.int4)
-    feeds = random_input(fp32, dict(args.dim or []), seed=args.seed)
-    for e in compare(fp32, int4, feeds, threads=args.threads, extra=args.extra):
-        print(e.format())
+    if args.plot:
+        check_plotting()  # before the work, not after it
+    if args.backend == "reference":
+        extensions_library()  # fail before the long runs when the extra is missing
+    report = compare(
+        args.fp32,
+        args.int4,
+        args.feeds,
+        dims=dict(args.dim or []),
+        int_range=args.int_range,
+        seed=args.seed,
+        threads=args.threads,
+        extra=args.extra,
+        all_tensors=args.all,
+        compute=args.compute,
+    )
+    print(report.format_table())
+    print(report.summary())
+    if args.json:
+        write_json(report.to_json(), args.json)
+        print(f"cim-int4: wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot)
+        print(f"cim-int4: wrote {args.plot}")
+    status = DIVERGED if report.first_divergent else 0
+    if args.backend == "reference":
+        status = _crosscheck(args) or status
+    return status
+
+
+def _crosscheck(args: argparse.Namespace) -> int:
+    from .crosscheck import crosscheck
+    from .graphs import load_feeds, model_feeds
+    from .layercheck import Model
+
+    int4 = Model(args.int4, "INT4")
+    given = load_feeds(args.feeds) if args.feeds else None
+    # The same generator and seed as compare(): the same inputs.
+    feeds = model_feeds(int4.proto, given, dict(args.dim or []), seed=args.seed, int_range=args.int_range)
+    print("\nnative op vs reference op (same INT4 model, same inputs):")
+    report = crosscheck(onnx.load(args.int4), feeds, threads=args.threads, compute=args.compute)
+    for layer in report:
+        print(layer.format())
+    bad = [layer.node for layer in report if not layer.ok]
+    if bad:
+        print(f"cim-int4: native and reference ops disagree beyond FP32 rounding in {', '.join(bad)}", file=sys.stderr)
+        return DIVERGED
     return 0
 
 
@@ -60,6 +139,17 @@ def _dim(text: str) -> tuple[str, int]:
     if not sep or not value.isdigit():
         raise argparse.ArgumentTypeError(f"expected NAME=INT for a symbolic dimension, got {text!r}")
     return name, int(value)
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        values = int(low), int(high)
+    except ValueError:
+        values = None
+    if not sep or values is None or values[0] >= values[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH integers with LOW < HIGH (HIGH exclusive), got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,13 +196,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("validate", help="compare an INT4 model with its FP32 original, tensor by tensor")
-    p.add_argument("fp32")
-    p.add_argument("int4")
+    from .exporter.convert import COMPUTE_CHOICES
+
+    compute_help = "CimInt4MatMul compute mode; auto: int8 where MatMulNBits had accuracy_level 4, else fp32"
+    p = sub.add_parser("convert", help="rewrite ORT MatMulNBits nodes (4-bit, symmetric) as CimInt4MatMul")
+    p.add_argument("model", help="ONNX file with com.microsoft MatMulNBits nodes (read, never modified)")
+    p.add_argument("-o", "--output", required=True, help="where to write the converted model (not the input file)")
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("genai", help="make a copy of an onnxruntime-genai model folder that runs CimInt4MatMul")
+    p.add_argument("folder", help="genai model folder with genai_config.json (read, never modified)")
+    p.add_argument("-o", "--output", default=None, help="new folder to write (default: FOLDER-cim-int4)")
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    group_help = "group size when the folder's model is FP32 and gets exported"
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_genai)
+
+    p = sub.add_parser("genai-bench", help="tokens/s in onnxruntime-genai: MatMulNBits vs CimInt4MatMul")
+    p.add_argument("folder", help="genai model folder whose decoder has MatMulNBits nodes (read, never modified)")
+    p.add_argument("--steps", type=int, default=32, help="new tokens per run")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: genai's)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=_genai_bench)
+
+
+    p = sub.add_parser(
+        "validate",
+        help="compare an INT4 model with its FP32 original tensor by tensor, and check each quantized layer alone",
+        description="Exit code 0: every CimInt4MatMul computes its dequantized weights and they round the FP32 ones; "
+        f"{DIVERGED}: a layer diverges (named in the last line); 1: the models cannot be compared.",
+    )
+    p.add_argument("fp32", help="the FP32 .onnx model (external data is read in place)")
+    p.add_argument("int4", help="the INT4 .onnx model exported from it")
+    p.add_argument("--feeds", metavar="DATA.npz", help="input values by input name; missing inputs are generated")
+    p.add_argument(
+        "--dim",
+        type=_dim,
+        action="append",
+        metavar="NAME=INT",
+        help="value of a symbolic input dim (default: 8 for seq-like names, 1 for other names, 4 unnamed)",
+    )
+    p.add_argument(
+        "--int-range",
+        type=_int_range,
+        metavar="LOW:HIGH",
+        help="generated integer inputs in [LOW, HIGH) (default: the vocabulary of a Gather reading the input, "
+        "ones for *mask*, else 0:16)",
+    )
+    p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name fully matches")
+    p.add_argument("--all", action="store_true", help="compare every tensor both models compute")
+    p.add_argument(
+        "--compute",
+        choices=("fp32", "int8"),
+        default=None,
+        help="run every CimInt4MatMul in this compute mode (session config cim_int4.compute; default: each node's own)",
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dim", type=_dim, action="append", metavar="NAME=INT", help="value of a symbolic input dim")
-    p.add_argument("--extra", default=None, metavar="REGEX", help="also compare tensors whose name matches")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    p.add_argument("--json", metavar="OUT.json", help="also write the rows and the verdict as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw the error by layer depth (needs matplotlib)")
+    p.add_argument(
+        "--backend",
+        choices=("native", "reference"),
+        default="native",
+        help="reference: also run the INT4 model on the NumPy reference op and check the native op against it",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
@@ -137,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, FileNotFoundError) as e:
+    except (ExportError, ValueError, FileNotFoundError, MissingPlotting, ReferenceBackendUnavailable) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
 

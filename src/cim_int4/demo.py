@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import bench
 from .exporter import export_with_summary, load_model, save_model
-from .graphs import LlamaConfig, llama_decoder, random_input
+from .graphs import LlamaConfig, llama_decoder
 from .ops import physical_cores
 from .validate import compare
 
@@ -60,11 +60,11 @@ def run_demo(args: argparse.Namespace) -> int:
         save_model(int4, out / "model.int4.onnx")
         print(f"   wrote {out / 'model.fp32.onnx'} and {out / 'model.int4.onnx'}")
 
-    feeds = random_input(fp32, _token_dims(args.seq), seed=0)
-    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feeds.items())
+    report = compare(fp32, int4, dims=_token_dims(args.seq), threads=threads, extra=r"layer\d+\.output")
+    shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in report.feeds.items())
     print(f"\n== validation: cim-int4 vs FP32 ONNX Runtime, tensor by tensor ({threads} threads, input {shapes})")
-    for e in compare(fp32, int4, feeds, threads=threads, extra=r"layer\d+\.output"):
-        print("   " + e.format())
+    print("\n".join("   " + line for line in report.format_table().splitlines()))
+    print("   " + report.summary())
 
     if not args.no_bench:
         print(f"\n== benchmark summary: decode (M=1) and prefill (M={args.seq}), {threads} pinned threads")
@@ -76,6 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
             max_rounds=DEMO_ROUNDS[1],
             max_time=DEMO_SECONDS_PER_CASE,
             retries=0,
+            memory=False,  # a fresh process per variant: `cim-int4 bench` measures it
         )
         report = bench.run_suite(suite, threads=[threads], progress=bench.Progress(quiet=True))
         print(bench.format_header(report))

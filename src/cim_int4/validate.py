@@ -1,82 +1,291 @@
-"""Layer-by-layer comparison of an INT4 model against its FP32 original, both run in ONNX Runtime."""
+"""Layer-by-layer comparison of an INT4 model with its FP32 original, both run in ONNX Runtime.
+
+Two questions, two checks:
+
+* How far is each tensor from FP32? Both models run on the same feeds with the compared
+  tensors added as graph outputs; each row gives rel L2, max |diff|, cosine and SNR.
+  Errors there add up through the layers, so they cannot tell a broken layer from the
+  quantization noise of the layers before it.
+* Is each CimInt4MatMul right? Each is checked alone (``cim_int4.layercheck``): its kernel
+  against its dequantized weights on the FP32 model's own input to it, and its weights
+  against the FP32 weights they replace. Both are free of the error of other layers.
+  ``Report.first_divergent`` names the first layer, in graph order, failing either.
+
+Models given as paths are read without their external data: sessions load the weights
+from the files themselves (``layercheck.EXTERNAL_FOLDER``), and weights and attributes
+are read one layer at a time.
+"""
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 
-from .ops import OP_DOMAIN, OP_TYPE, make_session, session_options
+from .graphs import model_feeds
+from .layercheck import (
+    MAX_CODE_STEPS,
+    CompareError,
+    LayerCheck,
+    Model,
+    ModelSource,
+    check_layer,
+    compute_config,
+    is_int4,
+    tensor_error,
+)
+from .ops import make_session, reference, session_options
+from .report import plot_by_depth, text_table
 
 
 @dataclass(frozen=True)
-class TensorError:
+class TensorRow:
     """How far one tensor of the INT4 model is from the same tensor of the FP32 model."""
 
     name: str
+    shape: tuple[int, ...]
     rel_l2: float  # ||int4 - fp32|| / ||fp32||
     max_abs: float
     cosine: float
+    snr_db: float  # 10 log10(sum fp32^2 / sum (int4 - fp32)^2); inf when equal
+    layer: LayerCheck | None = None  # set on outputs of CimInt4MatMul nodes
 
-    def format(self) -> str:
-        return f"{self.name:<40} rel L2 {self.rel_l2:9.3e}   max |diff| {self.max_abs:9.3e}   cosine {self.cosine:.6f}"
+
+@dataclass
+class Report:
+    """The rows in graph order, and the verdict of the isolated layer checks."""
+
+    rows: list[TensorRow]
+    feeds: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
+
+    @property
+    def layers(self) -> list[LayerCheck]:
+        return [r.layer for r in self.rows if r.layer is not None]
+
+    @property
+    def first_divergent(self) -> str | None:
+        """Name of the first CimInt4MatMul (graph order) whose output its int4 weights do not explain, or None."""
+        return next((c.node for c in self.layers if not c.ok), None)
+
+    def format_table(self) -> str:
+        """The rows as a text table; 'alone' and 'steps' are a layer's two checks (failures marked '!').
+
+        alone: the layer's error run alone over its rounding bound (> 1 fails); steps: the
+        largest distance of a weight from its FP32 value's grid point (> 1 fails).
+        """
+        header = ("#", "tensor", "shape", "rel L2", "max |diff|", "cosine", "SNR dB", "alone", "steps")
+        lines = []
+        for i, r in enumerate(self.rows):
+            alone = steps = ""
+            if r.layer is not None:
+                c = r.layer
+                alone = "failed" if c.error else f"{c.worst:.2g}" + ("" if c.kernel_ok else " !")
+                steps = "-" if c.code_steps is None else f"{c.code_steps:.2f}" + ("" if c.weights_ok else " !")
+            lines.append(
+                (
+                    str(i),
+                    r.name,
+                    "x".join(map(str, r.shape)) or "scalar",
+                    f"{r.rel_l2:.3e}",
+                    f"{r.max_abs:.3e}",
+                    f"{r.cosine:.6f}",
+                    f"{r.snr_db:.1f}",
+                    alone,
+                    steps,
+                )
+            )
+        return text_table(header, lines, left={1, 2})
+
+    def summary(self) -> str:
+        """One line: the first divergent layer and why, or that every layer is explained by its weights."""
+        bad = next((c for c in self.layers if not c.ok), None)
+        if bad is None:
+            return (
+                f"every CimInt4MatMul ({len(self.layers)}) computes its dequantized weights (alone <= 1) and its "
+                "weights round the FP32 ones (steps <= 1): the differences above are quantization noise"
+            )
+        if bad.error:
+            why = bad.error
+        elif not bad.kernel_ok:
+            why = (
+                f"run alone on the FP32 model's input it is {bad.worst:.3g}x outside the bound its int4 weights and "
+                f"compute mode {bad.compute!r} allow (rel L2 {bad.rel_l2:.3g} from the dequantized product)"
+            )
+        else:
+            why = (
+                f"a dequantized weight is {bad.code_steps:.3g} quantization steps from the FP32 weight it replaces "
+                f"(rounding allows {MAX_CODE_STEPS:g}): the packed codes or scales do not belong to this weight"
+            )
+        return f"first divergent layer: {bad.node} (output {bad.output}): {why}"
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: feeds, rows (each with its layer check) and first_divergent."""
+        return {
+            "feeds": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.feeds.items()},
+            "rows": [asdict(r) | {"shape": list(r.shape)} for r in self.rows],
+            "first_divergent": self.first_divergent,
+        }
+
+    def write_plot(self, path: str | os.PathLike) -> None:
+        """Error by layer depth: rel L2 of each quantized layer's output end to end and alone (MissingPlotting)."""
+        rows = [r for r in self.rows if r.layer is not None]
+        plot_by_depth(
+            path,
+            [r.layer.node for r in rows],
+            {
+                "end to end (vs FP32 model)": [r.rel_l2 for r in rows],
+                "alone vs FP32 layer (its own int4 error)": [
+                    np.nan if r.layer.own_rel_l2 is None else r.layer.own_rel_l2 for r in rows
+                ],
+                "alone vs dequantized weights (kernel)": [max(r.layer.rel_l2, 1e-12) for r in rows],
+            },
+            ylabel="relative L2 error",
+            title="cim-int4 validate: error by layer depth",
+            marked=[i for i, r in enumerate(rows) if not r.layer.ok],
+        )
 
 
-def compared_tensors(int4_model: onnx.ModelProto, extra: str | None = None) -> list[str]:
-    """Outputs of every CimInt4MatMul node, tensors whose name fully matches ``extra``, and the graph outputs."""
-    names = [n.output[0] for n in int4_model.graph.node if n.op_type == OP_TYPE and n.domain == OP_DOMAIN]
-    if extra:
-        pattern = re.compile(extra)
-        names += [o for n in int4_model.graph.node for o in n.output if pattern.fullmatch(o)]
-    names += [o.name for o in int4_model.graph.output]
+def _signature(model: onnx.ModelProto) -> tuple[dict[str, int], list[str]]:
+    inits = {t.name for t in model.graph.initializer}
+    inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input if v.name not in inits}
+    return inputs, [o.name for o in model.graph.output]
+
+
+def _check_same_interface(fp32: onnx.ModelProto, int4: onnx.ModelProto) -> None:
+    (fin, fout), (qin, qout) = _signature(fp32), _signature(int4)
+    diffs = [f"input {n!r} only in the FP32 model" for n in fin if n not in qin]
+    diffs += [f"input {n!r} only in the INT4 model" for n in qin if n not in fin]
+    diffs += [
+        f"input {n!r} is {onnx.TensorProto.DataType.Name(fin[n])} in FP32, "
+        f"{onnx.TensorProto.DataType.Name(qin[n])} in INT4"
+        for n in fin
+        if n in qin and fin[n] != qin[n]
+    ]
+    diffs += [f"output {n!r} only in the FP32 model" for n in fout if n not in qout]
+    diffs += [f"output {n!r} only in the INT4 model" for n in qout if n not in fout]
+    if diffs:
+        raise CompareError("the models do not match: " + "; ".join(diffs))
+
+
+def compared_tensors(int4: onnx.ModelProto, extra: str | None = None, all_tensors: bool = False) -> list[str]:
+    """In graph order: outputs of CimInt4MatMul nodes, of nodes matching ``extra`` (or all), and the graph outputs."""
+    pattern = re.compile(extra) if extra else None
+    outputs = {o.name for o in int4.graph.output}
+    # Tensors computed from constants alone (Constant, Identity of a weight, ...) cannot differ.
+    constant = {t.name for t in int4.graph.initializer}
+    for node in int4.graph.node:
+        if not is_int4(node) and all(i in constant for i in node.input if i):
+            constant.update(node.output)
+    names = []
+    for node in int4.graph.node:
+        for i, out in enumerate(node.output):
+            if not out:
+                continue
+            if (
+                (is_int4(node) and i == 0)
+                or out in outputs
+                or (all_tensors and out not in constant)
+                or (pattern is not None and pattern.fullmatch(out))
+            ):
+                names.append(out)
+    names += [o for o in outputs if o not in names]  # outputs that are inputs or initializers
     return list(dict.fromkeys(names))
 
 
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> bytes:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    present = {o.name for o in m.graph.output}
-    for name in names:
-        if name not in present:
-            m.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    return m.SerializeToString()
+# ---------------------------------------------------------------- the comparison
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def compare(
-    fp32_model: onnx.ModelProto,
-    int4_model: onnx.ModelProto,
-    feeds: dict[str, np.ndarray],
+    fp32_model: ModelSource,
+    int4_model: ModelSource,
+    feeds: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
+    *,
+    dims: Mapping[str, int] | None = None,
+    int_range: tuple[int, int] | None = None,
+    seed: int = 0,
     threads: int | None = None,
     extra: str | None = None,
-) -> list[TensorError]:
-    """Run both models on ``feeds`` and return the error of each compared tensor (see compared_tensors)."""
-    names = compared_tensors(int4_model, extra)
-    produced = {o for n in fp32_model.graph.node for o in n.output} | {o.name for o in fp32_model.graph.output}
+    all_tensors: bool = False,
+    compute: str | None = None,
+) -> Report:
+    """Compare ``int4_model`` with ``fp32_model`` (paths or ModelProtos) tensor by tensor, and check each layer alone.
+
+    ``feeds``: a dict or an ``.npz`` path; inputs it lacks are generated (see
+    ``cim_int4.graphs.feeds``: ``dims`` for symbolic dims, ``int_range`` for integer
+    inputs). ``extra`` (a regex on tensor names) or ``all_tensors`` add rows beyond the
+    quantized layers' outputs and the graph outputs. ``compute`` ("fp32" | "int8") runs the
+    INT4 model with that mode for every node (session config ``cim_int4.compute``) and holds
+    the layers to it; by default each node's own ``compute`` attribute decides. Raises CompareError (a ValueError)
+    naming what differs when the models do not match.
+    """
+    from .graphs import load_feeds
+
+    if compute is not None and compute not in reference.COMPUTE_MODES:
+        raise CompareError(f"compute must be one of {', '.join(reference.COMPUTE_MODES)}, got {compute!r}")
+    fp32, int4 = Model(fp32_model, "FP32"), Model(int4_model, "INT4")
+    _check_same_interface(fp32.proto, int4.proto)
+    given = load_feeds(feeds) if isinstance(feeds, str | os.PathLike) else feeds
+    feeds = model_feeds(fp32.proto, given, dims, seed=seed, int_range=int_range)
+
+    names = compared_tensors(int4.proto, extra, all_tensors)
+    produced = {o for n in fp32.proto.graph.node for o in n.output} | {i.name for i in fp32.proto.graph.input}
     missing = [n for n in names if n not in produced]
     if missing:
-        raise ValueError(f"tensors {missing} of the INT4 model do not exist in the FP32 model")
-    ref_sess = ort.InferenceSession(
-        _with_outputs(fp32_model, names), sess_options=session_options(threads), providers=["CPUExecutionProvider"]
-    )
-    int4_sess = make_session(_with_outputs(int4_model, names), threads=threads)
-    ref = ref_sess.run(names, feeds)
-    got = int4_sess.run(names, feeds)
-    errors = []
-    for name, r, g in zip(names, ref, got, strict=True):
-        r64, g64 = np.asarray(r, np.float64).ravel(), np.asarray(g, np.float64).ravel()
-        norm = np.linalg.norm(r64)
-        diff = np.linalg.norm(g64 - r64)
-        denom = norm * np.linalg.norm(g64)
-        errors.append(
-            TensorError(
-                name=name,
-                rel_l2=float(diff / norm) if norm > 0 else float(diff),
-                max_abs=float(np.max(np.abs(g64 - r64))) if r64.size else 0.0,
-                cosine=float(r64 @ g64 / denom) if denom > 0 else 1.0,
-            )
+        raise CompareError(f"tensors {missing[:5]} of the INT4 model do not exist in the FP32 model")
+    layers = [n for n in int4.proto.graph.node if is_int4(n)]
+    layer_inputs = [n.input[0] for n in layers if n.input[0] not in feeds]
+    missing = [n for n in layer_inputs if n not in produced]
+    if missing:
+        raise CompareError(f"inputs {missing[:5]} of CimInt4MatMul nodes do not exist in the FP32 model")
+    wanted = list(dict.fromkeys(names + layer_inputs))
+
+    try:
+        so = session_options(threads, config=fp32.config())
+        sess = ort.InferenceSession(fp32.with_outputs(wanted), so, providers=["CPUExecutionProvider"])
+        ref = dict(zip(wanted, sess.run(wanted, feeds), strict=True))
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        raise CompareError(f"the FP32 model does not run in ONNX Runtime: {_first_line(e)}") from e
+    del sess
+    ref.update({k: v for k, v in feeds.items() if k in wanted})
+
+    producers = {o: n for n in fp32.proto.graph.node for o in n.output}
+    checks = {
+        n.output[0]: check_layer(
+            int4,
+            n,
+            ref.get(n.input[0], feeds.get(n.input[0])),
+            threads,
+            fp32,
+            producers.get(n.output[0]),
+            ref.get(n.output[0]),
+            compute,
         )
-    return errors
+        for n in layers
+    }
+
+    try:
+        sess = make_session(int4.with_outputs(names), threads=threads, config=int4.config() | compute_config(compute))
+        got = dict(zip(names, sess.run(names, feeds), strict=True))
+    except Exception as e:  # noqa: BLE001
+        bad = next((c for c in checks.values() if not c.ok), None)
+        hint = f"; first layer failing alone: {bad.node}" if bad else ""
+        raise CompareError(f"the INT4 model does not run in ONNX Runtime: {_first_line(e)}{hint}") from e
+
+    rows = []
+    for name in names:
+        try:
+            rel, max_abs, cosine, snr = tensor_error(ref[name], got[name])
+        except CompareError as e:
+            raise CompareError(f"tensor {name!r}: {e}") from e
+        rows.append(TensorRow(name, tuple(np.shape(ref[name])), rel, max_abs, cosine, snr, checks.get(name)))
+    return Report(rows, {k: (tuple(v.shape), str(v.dtype)) for k, v in feeds.items()})

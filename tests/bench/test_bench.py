@@ -155,7 +155,8 @@ def test_report_has_every_variant_for_every_case(report: bench.Report, suite: be
     for case, lines in zip(cases, blocks, strict=True):
         body = [line for line in lines if not line.startswith(("case ", "---"))]
         assert body[0].startswith(case.name)
-        assert [line[len(case.name) :].split()[0] for line in body] == VARIANT_NAMES
+        # Variant names hold spaces ("cim-int4 int8"); columns are separated by two or more.
+        assert [line[len(case.name) :].strip().split("  ")[0] for line in body] == VARIANT_NAMES
 
 
 def test_derived_columns_are_consistent(report: bench.Report, suite: bench.Suite, threads) -> None:
@@ -165,8 +166,10 @@ def test_derived_columns_are_consistent(report: bench.Report, suite: bench.Suite
         assert row.vs_fp32 is not None and row.vs_fp32 > 0
         assert row.pct_bandwidth is not None and row.pct_bandwidth > 0
         assert len(r.bandwidth_samples) == len(r.samples)  # one probe sample per round
-        if r.variant == "cim-int4":
+        if r.variant == "cim-int4 fp32":
             assert row.peer == "nbits-acc0" and row.vs_nbits is not None
+        if r.variant == "cim-int4 int8":
+            assert row.peer == "nbits-acc4" and row.vs_nbits is not None
     # INT4 weights with block-32 float scales are 4.5 bits per weight, FP32 is 32.
     for name in VARIANT_NAMES[1:]:
         for case in suite.cases(threads):
@@ -218,9 +221,9 @@ def test_missing_probe_library_names_the_override(monkeypatch: pytest.MonkeyPatc
 
 
 def test_cache_size_parsing() -> None:
-    assert bench._parse_cache_size("491520K\n") == 480 << 20
-    assert bench._parse_cache_size("2M") == 2 << 20
-    assert bench._parse_cache_size("1024") == 1024
+    assert bench.probe._parse_cache_size("491520K\n") == 480 << 20
+    assert bench.probe._parse_cache_size("2M") == 2 << 20
+    assert bench.probe._parse_cache_size("1024") == 1024
     llc = bench.last_level_cache_bytes()
     assert llc is None or llc >= 1 << 16
 
@@ -309,7 +312,9 @@ def test_variants_are_a_table_with_fp32_first() -> None:
     names = {v.name for v in bench.VARIANTS}
     for v in bench.COMPUTE_MODES:
         assert v.peer in names
-    assert [v.name for v in bench.select_variants(["cim-int4"])] == ["fp32", "cim-int4"]
+    assert [v.name for v in bench.select_variants(["cim-int4 int8"])] == ["fp32", "cim-int4 int8"]
+    modes = {v.name: dict(v.config) for v in bench.COMPUTE_MODES}
+    assert modes == {"cim-int4 fp32": {"cim_int4.compute": "fp32"}, "cim-int4 int8": {"cim_int4.compute": "int8"}}
     with pytest.raises(ValueError, match="unknown variant"):
         bench.select_variants(["int3"])
 
@@ -325,7 +330,7 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys: pytest.
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["--tiny", "--threads", "1", "--json", str(out_json)]
+    argv = ["--tiny", "--threads", "1", "--no-memory", "--json", str(out_json)]
     plotting = importlib.util.find_spec("matplotlib") is not None
     if plotting:
         argv += ["--plot", str(out_png)]
@@ -334,7 +339,9 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys: pytest.
     tiny_cases = bench.SUITES["tiny"].cases([1])
     for case in tiny_cases:
         assert case.name in out
+    assert "session/int4" not in out  # --no-memory
     data = json.loads(out_json.read_text())
+    assert data["memory"] == []
     assert {(e["case"], e["variant"]) for e in data["results"]} == {
         (c.name, v) for c in tiny_cases for v in VARIANT_NAMES
     }
@@ -354,9 +361,45 @@ def test_cli_warm_run_takes_no_bandwidth_samples(tmp_path, capsys: pytest.Captur
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out_json = tmp_path / "warm.json"
-    argv = ["--tiny", "--warm", "--threads", "1", "--variants", "cim-int4", "--json", str(out_json)]
+    argv = ["--tiny", "--warm", "--threads", "1", "--variants", "cim-int4 fp32", "--json", str(out_json)]
     assert bench.run(parser.parse_args(argv)) == 0
-    assert "cache: warm" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cache: warm" in out and "session/int4" in out  # the memory table, for the variants run
     data = json.loads(out_json.read_text())
-    assert {e["variant"] for e in data["results"]} == {"fp32", "cim-int4"}
+    assert {e["variant"] for e in data["results"]} == {"fp32", "cim-int4 fp32"}
+    workloads = [w.name for w in bench.SUITES["tiny"].workloads]
+    assert [(m["workload"], m["variant"]) for m in data["memory"]] == [
+        (w, v) for w in workloads for v in ("fp32", "cim-int4 fp32")
+    ]
     assert all(not e["bandwidth_samples"] and e["pct_of_bandwidth"] > 0 for e in data["results"])
+
+
+# ---------------------------------------------------------------- resident memory
+
+
+def test_memory_has_every_variant_of_every_workload(report: bench.Report, suite: bench.Suite) -> None:
+    assert [(m.workload, m.variant) for m in report.memory] == [
+        (w.name, v) for w in suite.workloads for v in VARIANT_NAMES
+    ]
+    empty = report.meta["empty_session_bytes"]
+    assert empty > 0  # even an Identity session allocates
+    for w in suite.workloads:
+        int4 = bench.int4_weight_bytes(bench.quantize_cim_int4(w.build()))
+        for m in (m for m in report.memory if m.workload == w.name):
+            assert m.int4_bytes == int4 and m.empty_bytes == empty
+            assert m.session_bytes > 0 and m.session_ratio == pytest.approx(m.session_bytes / int4)
+            if m.peak_reset:
+                assert m.peak_bytes >= m.session_bytes
+    data = json.loads(json.dumps(report.to_json()))
+    assert len(data["memory"]) == len(report.memory) and "net_ratio" in data["memory"][0]
+    table = bench.format_memory(report)
+    assert all(v in table for v in VARIANT_NAMES) and "session/int4" in table
+
+
+def test_memory_sees_the_weights_a_session_holds() -> None:
+    # FP32 ORT keeps its 8 MiB initializer resident: the measurement must see that much beyond an empty session.
+    model = single_matmul(1024, 2048, seed=2)
+    fp32_bytes = bench.constant_bytes(model)
+    variant = bench.select_variants(None)[0]
+    m = bench.measure_memory("w", variant, model, random_input(model, {"M": 1}), 1, bench.memory.empty_session_bytes())
+    assert m.session_bytes - m.empty_bytes > 0.9 * fp32_bytes

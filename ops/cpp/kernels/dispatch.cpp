@@ -9,9 +9,9 @@ namespace {
 
 // What this process can run, best first, and the same names as "a, b, c" for messages.
 struct Candidates {
-  const KernelTable* tables[3] = {};
+  const KernelTable* tables[5] = {};
   int count = 0;
-  char names[64] = {};
+  char names[128] = {};
 
   void add(const KernelTable& t) {
     tables[count++] = &t;
@@ -28,13 +28,14 @@ Candidates probe_cpu() {
   // "yes" here means the instructions will not fault. __builtin_cpu_init makes this
   // safe even if we run before libgcc's own constructor.
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    c.add(avx512_kernels());
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    c.add(avx2_kernels());
-  }
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && __builtin_cpu_supports("avx512vnni")) c.add(avx512_vnni_kernels());
+  if (avx512) c.add(avx512_kernels());
+  if (avx2 && __builtin_cpu_supports("avxvnni")) c.add(avx2_vnni_kernels());
+  if (avx2) c.add(avx2_kernels());
 #endif
   c.add(portable_kernels());
   return c;

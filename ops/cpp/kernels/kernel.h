@@ -1,8 +1,8 @@
 // Kernel interface of cim-int4: plain structs and function pointers, no ORT.
 //
-// The op wrapper repacks the node's attributes once (repack.h) and calls one
-// KernelTable entry per range of output channels, so ORT's thread pool can split
-// the work and tests can call kernels directly.
+// The op wrapper repacks the node's attributes once (repack.h) into the tile layout
+// below and calls one KernelTable entry per contiguous range of channel tiles, so ORT's
+// thread pool can split the work and tests can call kernels directly.
 #pragma once
 
 #include <cstddef>
@@ -10,59 +10,103 @@
 
 namespace cim {
 
+// Output channels per tile: one zmm of float32 (two ymm).
+constexpr int64_t kTileN = 16;
+// Bytes per "code row" of a tile: 16 channels x 4 bytes (8 codes per channel).
+constexpr int64_t kCodeRowBytes = 64;
+
 // Weights in the library's own layout, made once at kernel creation by repack().
 //
-// Row n (one output channel) starts at `nibbles + n * row_bytes` (64-byte aligned) and
-// holds K_padded 4-bit codes in units of `unit` elements (unit = min(group_size, 32)).
-// Within a unit of U codes, byte j holds code j in its low nibble and code j + U/2 in
-// its high nibble, so a SIMD kernel gets the unit's first half from `byte & 0xF` and the
-// second half from `byte >> 4` with no shuffles (the Q4_0 order of ggml).
-// Codes are q + 8 in 0..15. Padding past K is code 8 (q = 0).
-// Scales are `scales[n * groups + g]`, float32, one per group of group_size codes.
+// Output channels come in tiles of kTileN = 16 (the last tile padded with channels of
+// scale 0 and code 8). The whole matrix is one sequential stream, tile after tile,
+// and within a tile group after group. One (tile, group) block is `block_bytes`:
+//
+//   group_size / 8 code rows of 64 bytes, then the tile's 16 float32 scales (64 bytes)
+//
+// Code row v of group g holds codes k = g*group_size + 8v + j (j = 0..7). In it,
+// channel c owns bytes 4c..4c+3 (32-bit lane c); byte b of that lane holds
+//   low nibble:  code of k = g*group_size + 8v + b      (j = b)
+//   high nibble: code of k = g*group_size + 8v + 4 + b  (j = 4 + b)
+// so `row & 0x0F` is four consecutive codes per lane, ready for vpdpbusd against four
+// consecutive int8 activations, and `(row >> 4) & 0x0F` the next four. In FP32 mode,
+// lane c's code j sits at bit 8b (j = b) or 8b + 4 (j = 4 + b).
+// Codes are q + 8 in 0..15; K is padded to groups * group_size with code 8 (q = 0).
+// No other padding: the stream is (tiles * groups * block_bytes) bytes.
 struct PackedWeights {
   int64_t K = 0;
   int64_t N = 0;
   int64_t group_size = 0;
-  int64_t groups = 0;     // ceil(K / group_size)
-  int64_t unit = 0;       // elements per nibble unit: min(group_size, 32)
-  int64_t row_bytes = 0;  // stride between rows of `nibbles`, a multiple of 64
-  const uint8_t* nibbles = nullptr;
-  const float* scales = nullptr;
-  const float* bias = nullptr;  // [N] or nullptr
+  int64_t groups = 0;       // ceil(K / group_size)
+  int64_t tiles = 0;        // ceil(N / 16)
+  int64_t block_bytes = 0;  // group_size * 8 + 64
+  const uint8_t* stream = nullptr;
+  const float* bias = nullptr;  // [tiles * 16] (zero past N) or nullptr
+
+  const uint8_t* block(int64_t tile, int64_t group) const {
+    return stream + (tile * groups + group) * block_bytes;
+  }
+};
+
+// int8 activations (compute mode "int8"): each row of A quantized per group, once per
+// call, before the parallel section. For row m and group g, with amax = max |a| over
+// the group: q = rint(a * (127 / amax)) (0 where amax = 0), scale = amax / 127 and
+// zsum = -8 * sum(q), which starts the group's integer dot product so that it
+// subtracts the codes' offset 8 exactly.
+struct QuantizedA {
+  const int8_t* q = nullptr;      // [M, groups * group_size], zero past K
+  const float* scale = nullptr;   // [M, groups]
+  const int32_t* zsum = nullptr;  // [M, groups]
 };
 
 // One call computes Y[m, n] = sum_k A[m, k] * W[k, n] (+ bias[n]) for all m in [0, M)
-// and n in [n_begin, n_end).
+// and the channels of tiles [tile_begin, tile_end) that lie below N.
 struct MatMulArgs {
-  const float* A = nullptr;  // [M, K], row stride lda floats
+  const float* A = nullptr;  // [M, K], row stride lda floats, 4-byte aligned
   int64_t M = 0;
   int64_t lda = 0;
-  float* Y = nullptr;        // [M, N], row stride ldy floats
+  float* Y = nullptr;  // [M, N], row stride ldy floats
   int64_t ldy = 0;
   const PackedWeights* W = nullptr;
+  const QuantizedA* QA = nullptr;  // int8 mode only
 };
 
-using MatMulFn = void (*)(const MatMulArgs& args, int64_t n_begin, int64_t n_end);
+using MatMulFn = void (*)(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end);
+// Fills `out` (buffers sized by quantized_a_sizes) from A [M, K] for one group size.
+using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
+                             float* scale, int32_t* zsum);
 
 // One table per instruction set, filled in the translation unit compiled for it.
 struct KernelTable {
-  const char* name;  // "portable", ...
-  MatMulFn matmul;
+  const char* name;     // "portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni"
+  MatMulFn matmul_fp32;  // FP32 activations
+  MatMulFn matmul_int8;  // int8 activations (args.QA set)
+  QuantizeAFn quantize_a;
 };
 
-// The portable C++ kernel: the scalar oracle beside every SIMD path.
+// The portable C++ kernels: the scalar oracle beside every SIMD path.
 const KernelTable& portable_kernels();
+// int8 mode's quantization of A, shared by every table (it is O(M K), the matmul O(M K N)).
+void quantize_a_portable(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
+                         float* scale, int32_t* zsum);
 
 #if defined(CIM_INT4_X86_KERNELS)
 // x86-64 tables, each in its own translation unit built with its own -m flags. Call
 // them only on a CPU that runs that instruction set: select_kernels() checks.
-const KernelTable& avx2_kernels();    // AVX2 + FMA, FP32 activations
-const KernelTable& avx512_kernels();  // AVX-512 F/BW/VL/DQ + FMA, FP32 activations
+const KernelTable& avx2_kernels();         // AVX2 + FMA; int8 dot via vpmaddubsw
+const KernelTable& avx2_vnni_kernels();    // AVX2 + FMA + AVX-VNNI (vpdpbusd on ymm)
+const KernelTable& avx512_kernels();       // AVX-512 F/BW/VL/DQ; int8 dot via vpmaddubsw
+const KernelTable& avx512_vnni_kernels();  // AVX-512 F/BW/VL/DQ + VNNI
 #endif
 
 // The best table this CPU runs, or the one named by `name` ("portable", ...).
 // Returns nullptr for a name that is unknown or that this CPU cannot run; `available`
 // then lists the names it can.
 const KernelTable* select_kernels(const char* name, const char** available);
+
+// Outputs that came out NaN or infinite although every input they depend on is finite
+// (the per-group partial sums can overflow where a float32 MatMul of the dequantized
+// weights does not) are recomputed here in float64, term by term, and rounded once.
+// Called by the op on each range after the kernel; a true overflow stays infinite.
+void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end);
 
 }  // namespace cim

@@ -1,5 +1,10 @@
-// The portable kernel: plain C++, every CPU. It is the oracle that each SIMD path is
-// tested against, so it favours clarity over speed.
+// The portable kernels: plain C++, every CPU. They are the oracle that each SIMD path
+// is tested against, so they favour clarity over speed, and they perform exactly the
+// arithmetic of ops/reference.py's `emulate` for both compute modes (per output: groups
+// in order; fp32 mode sums a * (c - 8) by fma within a group and adds sum * scale by
+// fma; int8 mode adds the exact integer group dot product times a_scale * w_scale).
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/kernel.h"
@@ -7,48 +12,133 @@
 namespace cim {
 namespace {
 
-// Unpacks row n's codes into q[0, K_padded) as signed values -8..7.
-void unpack_row(const PackedWeights& w, int64_t n, int8_t* q) {
-  const uint8_t* row = w.nibbles + n * w.row_bytes;
-  const int64_t half = w.unit / 2;
-  for (int64_t u0 = 0; u0 < w.groups * w.group_size; u0 += w.unit) {
-    for (int64_t j = 0; j < half; ++j) {
-      const uint8_t byte = row[u0 / 2 + j];
-      q[u0 + j] = static_cast<int8_t>((byte & 0x0F) - 8);
-      q[u0 + j + half] = static_cast<int8_t>((byte >> 4) - 8);
+// Code (0..15) of channel c (0..15) at offset j (0 .. group_size - 1) in a block.
+int code_in_block(const uint8_t* block, int64_t c, int64_t j) {
+  const uint8_t byte = block[(j / 8) * kCodeRowBytes + 4 * c + (j % 8) % 4];
+  return (j % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+}
+
+const float* block_scales(const PackedWeights& w, const uint8_t* block) {
+  return reinterpret_cast<const float*>(block + (w.group_size / 8) * kCodeRowBytes);
+}
+
+float read_float(const float* p) {
+  float x;
+  std::memcpy(&x, p, sizeof x);  // A may come from a caller's buffer at any address
+  return x;
+}
+
+// Calls out(m, n, value) for every output of the tiles, after adding the bias.
+template <typename Acc>
+void for_each_output(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end, Acc&& acc_of) {
+  const PackedWeights& w = *args.W;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    for (int64_t c = 0; c < kTileN && t * kTileN + c < w.N; ++c) {
+      const int64_t n = t * kTileN + c;
+      for (int64_t m = 0; m < args.M; ++m) {
+        float y = acc_of(t, c, m);
+        if (w.bias != nullptr) y += w.bias[n];
+        args.Y[m * args.ldy + n] = y;
+      }
     }
   }
 }
 
-// Summation order: a float dot product per group, scaled, accumulated over groups in
-// order, then the bias. The SIMD paths round differently (they scale each weight
-// first); tests hold every path to the same worst-case FP32 bound, not to this order.
-void matmul_portable(const MatMulArgs& args, int64_t n_begin, int64_t n_end) {
+void matmul_fp32_portable(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
   const PackedWeights& w = *args.W;
-  std::vector<int8_t> q(static_cast<size_t>(w.groups * w.group_size));
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    unpack_row(w, n, q.data());
-    const float* scales = w.scales + n * w.groups;
-    for (int64_t m = 0; m < args.M; ++m) {
-      const float* a = args.A + m * args.lda;
-      float acc = 0.0f;
-      for (int64_t g = 0; g < w.groups; ++g) {
-        const int64_t k0 = g * w.group_size;
-        const int64_t k1 = k0 + w.group_size < w.K ? k0 + w.group_size : w.K;
-        float dot = 0.0f;
-        for (int64_t k = k0; k < k1; ++k) dot += a[k] * static_cast<float>(q[k]);
-        acc += dot * scales[g];
+  for_each_output(args, tile_begin, tile_end, [&](int64_t t, int64_t c, int64_t m) {
+    const float* a = args.A + m * args.lda;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* block = w.block(t, g);
+      const int64_t k0 = g * w.group_size;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
+        sum = std::fma(read_float(a + k0 + j), static_cast<float>(code_in_block(block, c, j) - 8), sum);
       }
-      if (w.bias != nullptr) acc += w.bias[n];
-      args.Y[m * args.ldy + n] = acc;
+      acc = std::fma(sum, block_scales(w, block)[c], acc);
     }
-  }
+    return acc;
+  });
+}
+
+void matmul_int8_portable(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+  const PackedWeights& w = *args.W;
+  const QuantizedA& qa = *args.QA;
+  const int64_t k_padded = w.groups * w.group_size;
+  for_each_output(args, tile_begin, tile_end, [&](int64_t t, int64_t c, int64_t m) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* block = w.block(t, g);
+      const int8_t* q = qa.q + m * k_padded + g * w.group_size;
+      int32_t dot = qa.zsum[m * w.groups + g];
+      for (int64_t j = 0; j < w.group_size; ++j) dot += int32_t(q[j]) * code_in_block(block, c, j);
+      const float scale = qa.scale[m * w.groups + g] * block_scales(w, block)[c];
+      acc = std::fma(static_cast<float>(dot), scale, acc);
+    }
+    return acc;
+  });
 }
 
 }  // namespace
 
+void quantize_a_portable(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
+                         float* scale, int32_t* zsum) {
+  const int64_t groups = (K + group_size - 1) / group_size;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = A + m * lda;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * group_size;
+      const int64_t len = k0 + group_size <= K ? group_size : K - k0;
+      int8_t* qg = q + m * groups * group_size + k0;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < len; ++j) {
+        const float x = std::fabs(read_float(a + k0 + j));
+        if (std::isnan(x) || x > amax) amax = x;  // NaN wins: the group's output must not look finite
+        if (std::isnan(x)) break;
+      }
+      const float inv = 127.0f / amax;
+      int32_t sum = 0;
+      std::memset(qg, 0, static_cast<size_t>(group_size));
+      if (!std::isfinite(amax)) {
+        scale[m * groups + g] = amax;  // inf or NaN: the output is recomputed exactly
+      } else if (amax == 0.0f || !std::isfinite(inv)) {
+        scale[m * groups + g] = 0.0f;  // zero, or below 127 / FLT_MAX: counts as zero
+      } else {
+        for (int64_t j = 0; j < len; ++j) {
+          qg[j] = static_cast<int8_t>(std::nearbyint(read_float(a + k0 + j) * inv));
+          sum += qg[j];
+        }
+        scale[m * groups + g] = amax / 127.0f;
+      }
+      zsum[m * groups + g] = -8 * sum;
+    }
+  }
+}
+
+void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+  const PackedWeights& w = *args.W;
+  const int64_t n_end = tile_end * kTileN < w.N ? tile_end * kTileN : w.N;
+  for (int64_t m = 0; m < args.M; ++m) {
+    float* y = args.Y + m * args.ldy;
+    for (int64_t n = tile_begin * kTileN; n < n_end; ++n) {
+      if (std::isfinite(y[n])) continue;
+      const int64_t t = n / kTileN, c = n % kTileN;
+      const float* a = args.A + m * args.lda;
+      double sum = 0.0;
+      for (int64_t k = 0; k < w.K; ++k) {
+        const uint8_t* block = w.block(t, k / w.group_size);
+        const double weight = double(code_in_block(block, c, k % w.group_size) - 8) * block_scales(w, block)[c];
+        sum += double(read_float(a + k)) * weight;
+      }
+      if (w.bias != nullptr) sum += w.bias[n];
+      y[n] = static_cast<float>(sum);
+    }
+  }
+}
+
 const KernelTable& portable_kernels() {
-  static const KernelTable table{"portable", matmul_portable};
+  static const KernelTable table{"portable", matmul_fp32_portable, matmul_int8_portable, quantize_a_portable};
   return table;
 }
 

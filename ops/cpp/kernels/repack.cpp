@@ -24,22 +24,11 @@ uint8_t code_at(const uint8_t* row, int64_t k) {
   return (k % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
 }
 
-}  // namespace
-
-void PackedStorage::FreeDeleter::operator()(void* p) const { std::free(p); }
-
-bool is_supported_group_size(int64_t g) {
-  return g == 16 || g == 32 || g == 64 || g == 128 || g == 256;
-}
-
-std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
-                                 const float* scales, const float* bias) {
+std::string check_attributes(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed, const float* scales,
+                             const float* bias) {
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t k_padded = groups * group_size;
   const int64_t in_row_bytes = k_padded / 2;
-  const int64_t unit = group_size < 32 ? group_size : 32;
-  const int64_t half = unit / 2;
-
   // The contract pads K with q = 0 (code 8); anything else means the packer
   // disagrees with us about the layout, which would otherwise go unnoticed.
   for (int64_t n = 0; n < N; ++n) {
@@ -47,8 +36,8 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
     for (int64_t k = K; k < k_padded; ++k) {
       if (code_at(row, k) != 8) {
         std::ostringstream msg;
-        msg << "attribute 'packed': padding code at row " << n << ", k=" << k << " is "
-            << int(code_at(row, k)) << ", expected 8 (q = 0) for every k >= K=" << K;
+        msg << "attribute 'packed': padding code at row " << n << ", k=" << k << " is " << int(code_at(row, k))
+            << ", expected 8 (q = 0) for every k >= K=" << K;
         return msg.str();
       }
     }
@@ -59,8 +48,8 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
     // must be finite too.
     if (!std::isfinite(scales[i]) || !std::isfinite(8.0f * scales[i])) {
       std::ostringstream msg;
-      msg << "attribute 'scales': value " << scales[i] << " at row " << i / groups << ", group "
-          << i % groups << " is not a finite number with 8*|scale| finite (|scale| <= 4.25e37)";
+      msg << "attribute 'scales': value " << scales[i] << " at row " << i / groups << ", group " << i % groups
+          << " is not a finite number with 8*|scale| finite (|scale| <= 4.25e37)";
       return msg.str();
     }
   }
@@ -73,24 +62,57 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
       }
     }
   }
+  return {};
+}
 
-  const int64_t row_bytes = round_up(in_row_bytes, kAlign);
-  nibbles_.reset(static_cast<uint8_t*>(aligned_bytes(row_bytes * N)));
-  std::memset(nibbles_.get(), 0x88, static_cast<size_t>(row_bytes * N));
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* src = packed + n * in_row_bytes;
-    uint8_t* dst = nibbles_.get() + n * row_bytes;
-    for (int64_t u0 = 0; u0 < k_padded; u0 += unit) {
-      for (int64_t j = 0; j < half; ++j) {
-        dst[u0 / 2 + j] =
-            static_cast<uint8_t>(code_at(src, u0 + j) | (code_at(src, u0 + j + half) << 4));
+}  // namespace
+
+void PackedStorage::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+bool is_supported_group_size(int64_t g) { return g == 16 || g == 32 || g == 64 || g == 128 || g == 256; }
+
+std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
+                                 const float* scales, const float* bias) {
+  std::string problem = check_attributes(K, N, group_size, packed, scales, bias);
+  if (!problem.empty()) return problem;
+
+  const int64_t groups = (K + group_size - 1) / group_size;
+  const int64_t in_row_bytes = groups * group_size / 2;
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t rows_per_group = group_size / 8;
+  const int64_t block_bytes = rows_per_group * kCodeRowBytes + kTileN * int64_t(sizeof(float));
+  stream_bytes_ = tiles * groups * block_bytes;
+  stream_.reset(static_cast<uint8_t*>(aligned_bytes(stream_bytes_)));
+
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* block = stream_.get() + (t * groups + g) * block_bytes;
+      float* block_scales = reinterpret_cast<float*>(block + rows_per_group * kCodeRowBytes);
+      for (int64_t c = 0; c < kTileN; ++c) {
+        const int64_t n = t * kTileN + c;
+        const uint8_t* src = packed + n * in_row_bytes;
+        block_scales[c] = n < N ? scales[n * groups + g] : 0.0f;
+        for (int64_t v = 0; v < rows_per_group; ++v) {
+          uint8_t* lane = block + v * kCodeRowBytes + 4 * c;
+          if (n >= N) {
+            std::memset(lane, 0x88, 4);
+            continue;
+          }
+          // Codes k0..k0+7 (k0 even) are the nibbles of source bytes s[0..3], low first:
+          // lane byte b takes code k0+b (low) and k0+4+b (high).
+          const uint8_t* s = src + (g * group_size + 8 * v) / 2;
+          lane[0] = static_cast<uint8_t>((s[0] & 0x0F) | (s[2] << 4));
+          lane[1] = static_cast<uint8_t>((s[0] >> 4) | (s[2] & 0xF0));
+          lane[2] = static_cast<uint8_t>((s[1] & 0x0F) | (s[3] << 4));
+          lane[3] = static_cast<uint8_t>((s[1] >> 4) | (s[3] & 0xF0));
+        }
       }
     }
   }
-  scales_.reset(static_cast<float*>(aligned_bytes(N * groups * int64_t(sizeof(float)))));
-  std::memcpy(scales_.get(), scales, static_cast<size_t>(N * groups) * sizeof(float));
   if (bias != nullptr) {
-    bias_.reset(static_cast<float*>(aligned_bytes(N * int64_t(sizeof(float)))));
+    bias_bytes_ = tiles * kTileN * int64_t(sizeof(float));
+    bias_.reset(static_cast<float*>(aligned_bytes(bias_bytes_)));
+    std::memset(bias_.get(), 0, static_cast<size_t>(bias_bytes_));
     std::memcpy(bias_.get(), bias, static_cast<size_t>(N) * sizeof(float));
   }
 
@@ -99,10 +121,9 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
   w_.N = N;
   w_.group_size = group_size;
   w_.groups = groups;
-  w_.unit = unit;
-  w_.row_bytes = row_bytes;
-  w_.nibbles = nibbles_.get();
-  w_.scales = scales_.get();
+  w_.tiles = tiles;
+  w_.block_bytes = block_bytes;
+  w_.stream = stream_.get();
   w_.bias = bias_.get();
   return {};
 }

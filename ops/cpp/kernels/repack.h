@@ -15,24 +15,34 @@ class PackedStorage {
   PackedStorage() = default;
   const PackedWeights& weights() const { return w_; }
 
-  // Builds the library layout from the attribute layout:
+  // Builds the tile layout (kernel.h) from the attribute layout:
   //   packed: uint8 [N, K_padded / 2], element k of row n in byte k / 2, even k in the
   //           low nibble, code = q + 8;  scales: float32 [N, groups];  bias: [N] or null.
-  // Returns an empty string on success, else what is wrong (the caller names the node).
+  // Checks first (padding codes, finite scales with 8|scale| finite, finite bias), so
+  // nothing is allocated for bad input. Returns an empty string on success, else what is
+  // wrong (the caller names the node). The caller may free its inputs afterwards.
   std::string build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
                     const float* scales, const float* bias);
+
+  // Bytes this object holds (the stream and the bias).
+  int64_t bytes() const { return stream_bytes_ + bias_bytes_; }
 
  private:
   struct FreeDeleter {
     void operator()(void* p) const;
   };
-  std::unique_ptr<uint8_t, FreeDeleter> nibbles_;
-  std::unique_ptr<float, FreeDeleter> scales_;
+  std::unique_ptr<uint8_t, FreeDeleter> stream_;
   std::unique_ptr<float, FreeDeleter> bias_;
+  int64_t stream_bytes_ = 0;
+  int64_t bias_bytes_ = 0;
   PackedWeights w_;
 };
 
 // True for the group sizes the op accepts: 16, 32, 64, 128, 256.
 bool is_supported_group_size(int64_t group_size);
+
+// Largest K and N the op accepts: every size computed from them (bytes of the stream,
+// of A's int8 copy, of the attributes) then fits int64_t with room to spare.
+constexpr int64_t kMaxDim = int64_t(1) << 31;
 
 }  // namespace cim

@@ -3,11 +3,16 @@
 // RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
 #include <onnxruntime_c_api.h>
 
+#include <malloc.h>
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -24,6 +29,10 @@ constexpr uint32_t kMinOrtApi = 17;
 constexpr const char* kMinOrtRelease = "1.17";
 
 const OrtApi* g_api = nullptr;
+const OrtApiBase* g_api_base = nullptr;
+
+// The session config entry that overrides every node's `compute` attribute.
+constexpr const char* kComputeConfigKey = "cim_int4.compute";
 
 // An error that already carries the full message for the user.
 struct OpError : std::runtime_error {
@@ -130,6 +139,20 @@ class AttributeReader {
     return required_int(name, expected);
   }
 
+  // An optional string attribute: `fallback` when absent, an error when of another type.
+  std::string optional_string(const char* name, const std::string& fallback, const char* expected) const {
+    if (!has(name)) return fallback;
+    size_t size = 0;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_string(info_, name, nullptr, &size)) {
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is not a string (expected " + expected + ")");
+    }
+    std::string value(size, '\0');
+    check(g_api->KernelInfoGetAttribute_string(info_, name, value.data(), &size), where() + name);
+    value.resize(size > 0 ? size - 1 : 0);
+    return value;
+  }
+
   // A tensor attribute of the given element type and shape; on mismatch, a message
   // that states what was found and what was expected.
   ValuePtr tensor(const char* name, ONNXTensorElementDataType type, const char* type_name,
@@ -175,6 +198,68 @@ const T* data_of(OrtValue* v) {
   return static_cast<const T*>(p);
 }
 
+// The session's value of config entry `key`, or "" when absent or when this ORT is
+// older than C API 24 (ORT 1.24), which added KernelInfo_GetConfigEntries. Our headers
+// are older (C API 21): the functions are read from their slots in OrtApi, which only
+// ever grows at the end (indices as in ORT's own static_asserts in onnxruntime_c_api.cc).
+std::string session_config_entry(const OrtKernelInfo* info, const char* key) {
+  struct KeyValuePairs;
+  using GetConfigEntriesFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, KeyValuePairs**);
+  using GetKeyValueFn = const char*(ORT_API_CALL*)(const KeyValuePairs*, const char*);
+  using ReleaseKeyValuePairsFn = void(ORT_API_CALL*)(KeyValuePairs*);
+  constexpr size_t kGetKeyValue = 297, kReleaseKeyValuePairs = 300;  // C API 22
+  constexpr size_t kKernelInfoGetConfigEntries = 391;                // C API 24
+  const OrtApi* api24 = g_api_base != nullptr ? g_api_base->GetApi(24) : nullptr;
+  if (api24 == nullptr) return {};
+  const auto* slots = reinterpret_cast<void* const*>(api24);
+  GetConfigEntriesFn get_entries;
+  GetKeyValueFn get_value;
+  ReleaseKeyValuePairsFn release;
+  std::memcpy(&get_entries, &slots[kKernelInfoGetConfigEntries], sizeof get_entries);
+  std::memcpy(&get_value, &slots[kGetKeyValue], sizeof get_value);
+  std::memcpy(&release, &slots[kReleaseKeyValuePairs], sizeof release);
+  KeyValuePairs* entries = nullptr;
+  if (OrtStatus* s = get_entries(info, &entries)) {
+    g_api->ReleaseStatus(s);
+    return {};
+  }
+  std::unique_ptr<KeyValuePairs, ReleaseKeyValuePairsFn> owned(entries, release);
+  const char* value = get_value(entries, key);
+  return value != nullptr ? std::string(value) : std::string();
+}
+
+// CPUs this process may run on: how many contiguous ranges a call is split into. ORT's
+// pool runs them; with fewer pool threads some run one after the other, which costs
+// nothing, and no two ranges share a cache line of Y.
+int64_t cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+// A buffer reused across calls (grows, never shrinks), 64-byte aligned.
+class ScratchBytes {
+ public:
+  void* get(size_t bytes) {
+    if (bytes > capacity_) {
+      const size_t rounded = (bytes + 63) / 64 * 64;
+      void* p = std::aligned_alloc(64, rounded);
+      if (p == nullptr) throw std::bad_alloc();
+      data_.reset(p);
+      capacity_ = rounded;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<void, Free> data_;
+  size_t capacity_ = 0;
+};
+
 class Kernel {
  public:
   explicit Kernel(const OrtKernelInfo* info) : node_(node_name(info)) {
@@ -182,25 +267,48 @@ class Kernel {
     const int64_t K = attrs.required_int("K", "int K >= 1, the input's last dimension");
     const int64_t N = attrs.required_int("N", "int N >= 1, the output's last dimension");
     const int64_t group_size = attrs.optional_int("group_size", 32, "int, one of 16, 32, 64, 128, 256");
-    if (K < 1) attrs.fail("attribute 'K' is " + std::to_string(K) + ", expected >= 1");
-    if (N < 1) attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected >= 1");
+    // Bounds first: every size below is computed from these and must not overflow.
+    const std::string limit = " (at most 2^31 = " + std::to_string(cim::kMaxDim) + ")";
+    if (K < 1 || K > cim::kMaxDim) attrs.fail("attribute 'K' is " + std::to_string(K) + ", expected >= 1" + limit);
+    if (N < 1 || N > cim::kMaxDim) attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected >= 1" + limit);
     if (!cim::is_supported_group_size(group_size)) {
       attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of 16, 32, 64, 128, 256");
     }
-    const int64_t groups = (K + group_size - 1) / group_size;
-    ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
-                                   {N, groups * group_size / 2},
-                                   "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
-    ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
-                                   "[N, ceil(K/group_size)]");
-    ValuePtr bias;
-    if (attrs.has("bias")) {
-      bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    compute_ = attrs.optional_string("compute", "fp32", "\"fp32\" or \"int8\"");
+    if (compute_ != "fp32" && compute_ != "int8") {
+      attrs.fail("attribute 'compute' is \"" + compute_ + "\", expected \"fp32\" or \"int8\"");
     }
-    const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
-                                               data_of<float>(scales.get()),
-                                               bias ? data_of<float>(bias.get()) : nullptr);
-    if (!problem.empty()) attrs.fail(problem);
+    const std::string session_compute = session_config_entry(info, kComputeConfigKey);
+    if (!session_compute.empty()) {
+      if (session_compute != "fp32" && session_compute != "int8") {
+        attrs.fail(std::string("session config entry '") + kComputeConfigKey + "' is \"" + session_compute +
+                   "\", expected \"fp32\" or \"int8\"");
+      }
+      compute_ = session_compute;
+    }
+
+    const int64_t groups = (K + group_size - 1) / group_size;
+    {
+      // The attribute copies ORT hands out live only in this scope: at load, the peak is
+      // the model plus one node's copies, and afterwards we hold only our repacked stream.
+      ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
+                                     "[N, ceil(K/group_size)]");
+      ValuePtr bias;
+      if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
+                                     {N, groups * group_size / 2},
+                                     "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
+      const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
+                                                 data_of<float>(scales.get()),
+                                                 bias ? data_of<float>(bias.get()) : nullptr);
+      if (!problem.empty()) attrs.fail(problem);
+    }
+#if defined(__GLIBC__)
+    // The attribute copies are gone; glibc keeps freed blocks of this size in its heap
+    // (its mmap threshold grows with each large free), so hand the pages back: a
+    // session then holds the model ORT keeps plus our stream, not a third copy.
+    malloc_trim(0);
+#endif
 
     // CIM_INT4_KERNEL picks an instruction-set path by name; tests use it to run each one.
     const char* wanted = std::getenv("CIM_INT4_KERNEL");
@@ -210,6 +318,7 @@ class Kernel {
       attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
                  available + " (or auto)");
     }
+    ranges_ = cpu_count();
   }
 
   void compute(OrtKernelContext* context) const {
@@ -247,19 +356,44 @@ class Kernel {
     void* y_data = nullptr;
     check(g_api->GetTensorMutableData(output, &y_data), where() + "output Y");
 
+    thread_local ScratchBytes a_copy, q_buffer;
+    const float* A = static_cast<const float*>(a_data);
+    if (reinterpret_cast<uintptr_t>(a_data) % alignof(float) != 0) {
+      // ORT passes a caller's buffer through as is, at any byte offset; kernels read floats.
+      void* aligned = a_copy.get(static_cast<size_t>(M * w.K) * sizeof(float));
+      std::memcpy(aligned, a_data, static_cast<size_t>(M * w.K) * sizeof(float));
+      A = static_cast<const float*>(aligned);
+    }
+
     Job job;
-    job.args.A = static_cast<const float*>(a_data);
+    job.args.A = A;
     job.args.M = M;
     job.args.lda = w.K;
     job.args.Y = static_cast<float*>(y_data);
     job.args.ldy = w.N;
     job.args.W = &w;
-    job.fn = kernels_->matmul;
-    // Blocks of output channels: large enough that a task outweighs its dispatch,
-    // small enough that two or more threads always get work to share.
-    const int64_t work_per_row = w.K * M;
-    job.rows_per_task = work_per_row >= 65536 ? 16 : 64;
-    const int64_t tasks = (w.N + job.rows_per_task - 1) / job.rows_per_task;
+    job.fn = kernels_->matmul_fp32;
+    if (compute_ == "int8") {
+      // A is quantized once per call, before the parallel section.
+      const int64_t k_padded = w.groups * w.group_size;
+      const size_t q_bytes = static_cast<size_t>(M * k_padded + 63) / 64 * 64;
+      const size_t per_group = static_cast<size_t>(M * w.groups);
+      auto* base = static_cast<uint8_t*>(q_buffer.get(q_bytes + per_group * (sizeof(float) + sizeof(int32_t))));
+      auto* q = reinterpret_cast<int8_t*>(base);
+      auto* scale = reinterpret_cast<float*>(base + q_bytes);
+      auto* zsum = reinterpret_cast<int32_t*>(base + q_bytes + per_group * sizeof(float));
+      kernels_->quantize_a(A, M, w.K, w.K, w.group_size, q, scale, zsum);
+      job.qa = cim::QuantizedA{q, scale, zsum};
+      job.args.QA = &job.qa;
+      job.fn = kernels_->matmul_int8;
+    }
+    // Contiguous static ranges of whole 4-tile (64-channel) blocks, one per CPU: each
+    // thread streams one stretch of the weights, and range edges fall on 256-byte
+    // boundaries of each row of Y, so no two threads share a cache line.
+    const int64_t blocks = (w.tiles + 3) / 4;
+    const int64_t ranges = std::min(ranges_, blocks);
+    job.blocks_per_range = (blocks + ranges - 1) / ranges;
+    const int64_t tasks = (blocks + job.blocks_per_range - 1) / job.blocks_per_range;
     check(g_api->KernelContext_ParallelFor(context, &Job::run, static_cast<size_t>(tasks), 0, &job),
           where() + "running on the intra-op thread pool");
   }
@@ -269,19 +403,24 @@ class Kernel {
  private:
   struct Job {
     cim::MatMulArgs args;
+    cim::QuantizedA qa;
     cim::MatMulFn fn = nullptr;
-    int64_t rows_per_task = 0;
+    int64_t blocks_per_range = 0;
     static void run(void* self, size_t task) {
       const Job& job = *static_cast<const Job*>(self);
-      const int64_t begin = static_cast<int64_t>(task) * job.rows_per_task;
-      const int64_t end = begin + job.rows_per_task < job.args.W->N ? begin + job.rows_per_task : job.args.W->N;
+      const int64_t tiles = job.args.W->tiles;
+      const int64_t begin = std::min(tiles, static_cast<int64_t>(task) * job.blocks_per_range * 4);
+      const int64_t end = std::min(tiles, begin + job.blocks_per_range * 4);
       job.fn(job.args, begin, end);
+      cim::recompute_nonfinite(job.args, begin, end);
     }
   };
 
   std::string node_;
+  std::string compute_;
   cim::PackedStorage storage_;
   const cim::KernelTable* kernels_ = nullptr;
+  int64_t ranges_ = 1;
 };
 
 // Output shape = input shape with the last dimension replaced by N.
@@ -378,15 +517,21 @@ const OrtCustomOp& the_op() {
   return op;
 }
 
-// Domains must outlive every session that uses them; ORT keeps raw pointers. One per
-// RegisterCustomOps call, released when the library is unloaded.
-struct DomainDeleter {
-  void operator()(OrtCustomOpDomain* d) const {
-    if (g_api != nullptr) g_api->ReleaseCustomOpDomain(d);
-  }
-};
-std::mutex g_domains_mutex;
-std::vector<std::unique_ptr<OrtCustomOpDomain, DomainDeleter>> g_domains;
+// Domains must outlive every session that uses them; ORT keeps raw pointers. One domain
+// serves every RegisterCustomOps call of the process (it holds one immutable op), so
+// registering in many sessions costs nothing per call; it lives until the process ends.
+OrtCustomOpDomain* the_domain() {
+  static OrtCustomOpDomain* domain = [] {
+    OrtCustomOpDomain* raw = nullptr;
+    check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
+    if (OrtStatus* s = g_api->CustomOpDomain_Add(raw, &the_op())) {
+      g_api->ReleaseCustomOpDomain(raw);
+      check(s, "adding " CIM_OP_TYPE);
+    }
+    return raw;
+  }();
+  return domain;
+}
 
 }  // namespace
 
@@ -402,13 +547,6 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     return v1 != nullptr ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   g_api = api;
-  return guarded([&] {
-    OrtCustomOpDomain* raw = nullptr;
-    check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
-    std::unique_ptr<OrtCustomOpDomain, DomainDeleter> domain(raw);
-    check(g_api->CustomOpDomain_Add(domain.get(), &the_op()), "adding " CIM_OP_TYPE);
-    check(g_api->AddCustomOpDomain(options, domain.get()), "registering domain " CIM_OP_DOMAIN);
-    std::lock_guard<std::mutex> lock(g_domains_mutex);
-    g_domains.push_back(std::move(domain));
-  });
+  g_api_base = api_base;
+  return guarded([&] { check(g_api->AddCustomOpDomain(options, the_domain()), "registering domain " CIM_OP_DOMAIN); });
 }

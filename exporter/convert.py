@@ -1,0 +1,223 @@
+"""from_matmulnbits: ORT ``MatMulNBits`` nodes (com.microsoft) become ``CimInt4MatMul`` nodes, bit for bit.
+
+For ``bits = 4``, no zero points (or all 8) and no ``g_idx``, MatMulNBits stores what our
+attributes hold: ``B`` uint8 ``[N, ceil(K/blk), blk/2]``, element k of row n in byte k/2 of
+the row, even k in the low nibble, code ``q + 8``; ``scales`` ``[N, ceil(K/blk)]`` (or
+flattened), dequantized as ``(code - 8) * scale``. Reshaped, ``B`` is ``packed`` and
+``scales`` is ``scales``: no requantization, the weights stay byte-identical. Padding codes
+beyond K, which MatMulNBits ignores, are set to 8, as our format requires.
+
+``accuracy_level`` 4 (int8 activations) becomes ``compute = "int8"``, the op's analogue,
+so the converted model keeps the precision (and speed trade) its author chose; other
+levels compute in FP32. Nodes that do not match are left as they are, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from .api import ExportError, _same_file, load_model, max_ir_version, save_model
+from .quantize import SUPPORTED_GROUP_SIZES
+from .rewrite import Skipped, _Constants, _drop_unused_constants
+
+NBITS_DOMAIN = "com.microsoft"
+NBITS_OP = "MatMulNBits"
+COMPUTE_CHOICES = ("auto", "fp32", "int8")
+# MatMulNBits input slots (ORT contrib op schema).
+_A, _B, _SCALES, _ZERO_POINTS, _G_IDX, _BIAS = range(6)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One MatMulNBits node that became CimInt4MatMul."""
+
+    name: str
+    k: int
+    n: int
+    block_size: int
+    compute: str
+
+
+@dataclass
+class ConvertSummary:
+    """What from_matmulnbits did: nodes converted and nodes left as MatMulNBits, with the reason."""
+
+    converted: list[Converted] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def format(self) -> str:
+        """A human-readable report, one line per node."""
+        lines = [
+            f"cim-int4: {len(self.converted)} MatMulNBits node(s) converted to {OP_TYPE}, "
+            f"{len(self.skipped)} left as they are"
+        ]
+        for c in self.converted:
+            lines.append(f"  converted {c.name!r}: K={c.k} N={c.n} block {c.block_size}, compute {c.compute}")
+        for s in self.skipped:
+            lines.append(f"  skipped   {s.name!r}: {s.reason}")
+        return "\n".join(lines)
+
+
+class _Unconvertible(Exception):
+    """A MatMulNBits node that stays as it is; the message says why."""
+
+
+def _int_attrs(node: onnx.NodeProto) -> dict[str, int]:
+    return {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+
+
+def _input(node: onnx.NodeProto, slot: int) -> str:
+    return node.input[slot] if len(node.input) > slot else ""
+
+
+def _constant(consts: _Constants, node: onnx.NodeProto, slot: int, what: str) -> np.ndarray:
+    name = node.input[slot]
+    tensor = consts.tensor(name)
+    if tensor is None:
+        raise _Unconvertible(f"{what} {name!r} is not a constant (not an initializer or Constant, or a graph input)")
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+        raise ExportError(
+            f"{what} {name!r} of node {node.name!r} is in external data that was not loaded; "
+            "load the model from its file (onnx.load(path) or cim_int4.exporter.load_model)"
+        )
+    return numpy_helper.to_array(tensor)
+
+
+def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
+    if zp.dtype != np.uint8:
+        raise _Unconvertible(f"zero points are {zp.dtype}; only packed uint8 zero points (all 8) convert")
+    row_bytes = -(-blocks // 2)
+    if zp.size != n * row_bytes:
+        raise _Unconvertible(f"zero points have {zp.size} bytes, expected N * ceil(blocks/2) = {n * row_bytes}")
+    rows = zp.reshape(n, row_bytes)
+    codes = np.stack([rows & 0x0F, rows >> 4], axis=2).reshape(n, 2 * row_bytes)[:, :blocks]
+    return bool(np.all(codes == 8))
+
+
+def _convert_node(node: onnx.NodeProto, consts: _Constants, compute: str) -> tuple[onnx.NodeProto, Converted]:
+    attrs = _int_attrs(node)
+    bits, block = attrs.get("bits", 4), attrs.get("block_size", 0)
+    if bits != 4:
+        raise _Unconvertible(f"bits={bits}; only 4-bit weights convert")
+    if block not in SUPPORTED_GROUP_SIZES:
+        raise _Unconvertible(f"block_size={block}; {OP_TYPE} takes {', '.join(map(str, SUPPORTED_GROUP_SIZES))}")
+    if "K" not in attrs or "N" not in attrs or attrs["K"] < 1 or attrs["N"] < 1:
+        raise _Unconvertible("attributes K and N must be present and >= 1")
+    k, n = attrs["K"], attrs["N"]
+    if _input(node, _G_IDX):
+        raise _Unconvertible("has a g_idx input (act-order); only plain blockwise weights convert")
+    blocks = -(-k // block)
+    b = _constant(consts, node, _B, "B")
+    if b.dtype != np.uint8 or b.size != n * blocks * block // 2:
+        expected = f"uint8 [N, ceil(K/blk), blk/2] = [{n}, {blocks}, {block // 2}]"
+        raise _Unconvertible(f"B is {b.dtype} {list(b.shape)}; expected {expected}")
+    scales = _constant(consts, node, _SCALES, "scales")
+    if scales.dtype != np.float32:
+        raise _Unconvertible(f"scales are {scales.dtype} (float16 activations?); {OP_TYPE} takes float32")
+    if scales.size != n * blocks:
+        raise _Unconvertible(f"scales have {scales.size} elements; expected N * ceil(K/blk) = {n * blocks}")
+    scales = scales.reshape(n, blocks)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.all(np.isfinite(scales * np.float32(8))):
+            raise _Unconvertible("scales have NaN, infinite or too large (8 * |scale| overflows) values")
+    if _input(node, _ZERO_POINTS) and not _zero_points_are_8(
+        _constant(consts, node, _ZERO_POINTS, "zero_points"), n, blocks
+    ):
+        raise _Unconvertible("zero points other than 8 (asymmetric); only symmetric weights convert")
+    bias = None
+    if _input(node, _BIAS):
+        bias = _constant(consts, node, _BIAS, "bias")
+        if bias.dtype != np.float32 or bias.size != n:
+            raise _Unconvertible(f"bias is {bias.dtype} {list(bias.shape)}; expected float32 [{n}]")
+        bias = bias.reshape(n)
+
+    packed = b.reshape(n, blocks * block // 2)
+    if k % block:
+        # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
+        codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)
+        codes[:, k:] = 8
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    mode = compute if compute != "auto" else ("int8" if attrs.get("accuracy_level", 0) == 4 else "fp32")
+    extra = {"bias": numpy_helper.from_array(bias, "bias")} if bias is not None else {}
+    if mode != "fp32":  # absent means fp32, which older builds of the op also understand
+        extra["compute"] = mode
+    new = helper.make_node(
+        OP_TYPE,
+        [node.input[_A]],
+        [node.output[0]],
+        name=node.name or f"{node.output[0]}/{OP_TYPE}",
+        domain=OP_DOMAIN,
+        K=k,
+        N=n,
+        group_size=block,
+        packed=numpy_helper.from_array(np.ascontiguousarray(packed), "packed"),
+        scales=numpy_helper.from_array(np.ascontiguousarray(scales), "scales"),
+        **extra,
+    )
+    return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
+
+
+def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
+    """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
+
+    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
+    Raises ExportError if no node converts (the message lists why for each).
+    """
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
+    for opset in model.opset_import:
+        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
+            raise ExportError(f"model imports domain {OP_DOMAIN!r} at version {opset.version}; expected {OP_VERSION}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    consts = _Constants(graph)
+    summary = ConvertSummary()
+    for index, node in enumerate(graph.node):
+        if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
+            continue
+        try:
+            new, done = _convert_node(node, consts, compute)
+        except _Unconvertible as why:
+            summary.skipped.append(Skipped(node.name or f"{NBITS_OP}#{index} -> {node.output[0]}", NBITS_OP, str(why)))
+            continue
+        graph.node[index].CopyFrom(new)
+        summary.converted.append(done)
+    if not summary.converted:
+        if not summary.skipped:
+            raise ExportError(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
+        raise ExportError(f"no {NBITS_OP} node could be converted\n{summary.format()}")
+    _drop_unused_constants(graph)
+    if not any(o.domain == OP_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    out.ir_version = min(out.ir_version, max_ir_version())
+    return out, summary
+
+
+def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.ModelProto:
+    """``model`` with its 4-bit symmetric MatMulNBits nodes as CimInt4MatMul (weights byte-identical).
+
+    Load a model with external data from its file first (``cim_int4.exporter.load_model``).
+    """
+    return convert_with_summary(model, compute)[0]
+
+
+def convert_file(
+    source: str | os.PathLike, output: str | os.PathLike, *, compute: str = "auto", quiet: bool = False
+) -> ConvertSummary:
+    """Convert the model file ``source`` (with its external data) and write ``output``; never the input."""
+    if _same_file(Path(source), Path(output)):
+        raise ExportError(f"{output}: output path is the input file; choose another output path")
+    converted, summary = convert_with_summary(load_model(source), compute)
+    save_model(converted, output)
+    if not quiet:
+        print(summary.format())
+        print(f"cim-int4: wrote {output}")
+    return summary

@@ -1,0 +1,70 @@
+// SIMD traits for tile_kernels.h: AVX-512 F/BW/VL/DQ, with or without VNNI.
+// Include only from a translation unit compiled with the matching -m flags.
+#pragma once
+
+// GCC 12's AVX-512 headers initialise "undefined" vectors as `__m512 __Y = __Y;`, which
+// -Wmaybe-uninitialized reports at every use once inlined (GCC PR 105593, fixed in 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstdint>
+
+namespace cim {
+namespace {
+
+template <bool kVnni>
+struct Avx512 {
+  static constexpr int kLanes = 16;  // one tile of 16 channels per vector
+  using F = __m512;
+  using I = __m512i;
+  // 4 tiles in flight at M = 1 (4 independent FMA / vpdpbusd chains); prefill blocks of
+  // 6 rows x 2 tiles: 12 group sums + 12 accumulators + 4 code vectors fit 32 registers.
+  static constexpr int kDecodeTiles = 4;
+  static constexpr int kPrefillTiles = 2;
+  static constexpr int kPrefillRows = 6;
+
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
+  static I loadi(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
+
+  // Code j (0..7) of each lane's 8 as the float c - 8: the nibble at bit 8j (j < 4) or
+  // 8(j-4) + 4 shifted down, then vpermps, which reads only bits 3:0 of each index,
+  // looks it up in the table {-8, ..., 7}: no mask, no convert.
+  template <int J>
+  static F code_minus_8(I row) {
+    constexpr int shift = J < 4 ? 8 * J : 8 * (J - 4) + 4;
+    const F table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    if constexpr (shift == 0) {
+      return _mm512_permutexvar_ps(row, table);
+    } else {
+      return _mm512_permutexvar_ps(_mm512_srli_epi32(row, shift), table);
+    }
+  }
+
+  // Per byte: the low nibble, and the high nibble (u8 0..15, vpdpbusd's unsigned side).
+  static I low_nibbles(I row) { return _mm512_and_si512(row, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I row) { return _mm512_and_si512(_mm512_srli_epi16(row, 4), _mm512_set1_epi8(0x0F)); }
+
+  // acc + sum of 4 products u8 x s8 per 32-bit lane. Without VNNI: vpmaddubsw (pairs to
+  // int16: |15 * 127 * 2| = 3810 never saturates) and vpmaddwd by 1 (pairs to int32).
+  static I dot4(I acc, I u8, I s8) {
+    if constexpr (kVnni) {
+      return _mm512_dpbusd_epi32(acc, u8, s8);
+    } else {
+      const I pairs = _mm512_maddubs_epi16(u8, s8);
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+    }
+  }
+};
+
+}  // namespace
+}  // namespace cim

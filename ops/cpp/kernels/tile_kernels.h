@@ -1,0 +1,312 @@
+// The SIMD kernel skeleton, written once over a small traits type S (simd_avx2.h,
+// simd_avx512.h) and instantiated in each instruction set's own translation unit.
+//
+// Everything here has internal linkage (an unnamed namespace): each translation unit is
+// compiled with its own -m flags, and an inline function or template with external
+// linkage would be merged by the linker into one copy, possibly the AVX-512 one, then
+// called on a CPU without AVX-512.
+//
+// Layout (kernel.h): channels in the vector lanes, 16 per tile (S::kLanes per vector,
+// kVecs = 16 / S::kLanes vectors per tile). Both compute modes perform, per output, the
+// arithmetic of the portable kernel and ops/reference.py's `emulate`, so every path,
+// block shape, M and N split gives the same bits:
+//   fp32: per group  t = fma(a_k, c_k - 8, t) for k in order;  acc = fma(t, scale, acc)
+//   int8: per group  d = zsum + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
+// Loops, outer to inner:
+//   decode (M = 1): kDecodeTiles tiles side by side (independent FMA / vpdpbusd
+//     chains hide their latency), the stream read once, front to back.
+//   prefill (M > 1): blocks of kPrefillK codes (A's part stays in L2), of
+//     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows rows of A (in
+//     L1), then chunks of kPrefillTiles tiles: each code row is unpacked once per block
+//     of rows, in registers, and partial sums wait in Y between blocks of K.
+#pragma once
+
+#include <xmmintrin.h>  // _mm_prefetch (SSE, in every x86-64 baseline)
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "kernels/kernel.h"
+
+namespace cim {
+namespace {
+
+#define CIM_INLINE inline __attribute__((always_inline))
+
+// Calls f(std::integral_constant<int, j>) for j = 0 .. J-1, unrolled at compile time
+// (shift counts and lane positions must be immediates).
+template <typename Fn, int... J>
+CIM_INLINE void static_for_impl(Fn&& f, std::integer_sequence<int, J...>) {
+  (f(std::integral_constant<int, J>{}), ...);
+}
+template <int J, typename Fn>
+CIM_INLINE void static_for(Fn&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, J>{});
+}
+
+CIM_INLINE int32_t load_i32(const int8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+template <class S>
+struct TileKernels {
+  using F = typename S::F;
+  using I = typename S::I;
+  static constexpr int kVecs = int(kTileN) / S::kLanes;
+  static constexpr int kVecBytes = S::kLanes * 4;
+
+  // Pointers to the first code row of group g of tiles t0 .. t0 + NT - 1.
+  template <int NT>
+  static CIM_INLINE void blocks_of(const PackedWeights& w, int64_t t0, int64_t g, const uint8_t* (&blk)[NT]) {
+    for (int i = 0; i < NT; ++i) blk[i] = w.block(t0 + i, g);
+  }
+
+  // Software prefetch of each tile's block kPrefetchGroups groups ahead. The loops do
+  // many operations per byte in fp32 mode, so the out-of-order window alone holds
+  // too few cache misses to stream from DRAM at full speed. Past a tile's last group
+  // this is the next tile's start (the stream is sequential); past the end of the
+  // stream a prefetch touches nothing (prefetches never fault).
+  #ifndef CIM_PFG
+#define CIM_PFG 4
+#endif
+  static constexpr int64_t kPrefetchGroups = CIM_PFG;
+  template <int NT>
+  static CIM_INLINE void prefetch_ahead(const PackedWeights& w, const uint8_t* const (&blk)[NT]) {
+    const uintptr_t ahead = static_cast<uintptr_t>(kPrefetchGroups * w.block_bytes);
+    for (int i = 0; i < NT; ++i) {
+      const uintptr_t base = reinterpret_cast<uintptr_t>(blk[i]) + ahead;
+      for (int64_t off = 0; off < w.block_bytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
+      }
+    }
+  }
+
+  // The tile scales of a block, vector x of NT * kVecs.
+  template <int NT>
+  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int x) {
+    const float* s = reinterpret_cast<const float*>(blk[x / kVecs] + (w.group_size / 8) * kCodeRowBytes);
+    return S::load(s + (x % kVecs) * S::kLanes);
+  }
+
+  template <int NT>
+  static CIM_INLINE I code_row(const uint8_t* const (&blk)[NT], int64_t v, int x) {
+    return S::loadi(blk[x / kVecs] + v * kCodeRowBytes + (x % kVecs) * kVecBytes);
+  }
+
+  // Groups [g0, g1) of one block: the accumulators start at zero for the first groups,
+  // else from the partial sums an earlier K block left in Y (stored and reloaded
+  // exactly, so the arithmetic is that of one pass over K); after the last groups the
+  // bias is added. Y is only touched for the channels of tiles t0 .. t0 + NT - 1 below N.
+  template <int NT, int R>
+  static CIM_INLINE void load_acc(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0,
+                                  F (&acc)[R][NT * kVecs]) {
+    const PackedWeights& w = *args.W;
+    const int64_t n0 = t0 * kTileN;
+    const int64_t valid = w.N - n0 < NT * kTileN ? w.N - n0 : NT * kTileN;
+    for (int r = 0; r < R; ++r) {
+      const float* y = args.Y + (m0 + r) * args.ldy + n0;
+      if (g0 == 0) {
+        for (int x = 0; x < NT * kVecs; ++x) acc[r][x] = S::zero();
+      } else if (valid == NT * kTileN) {
+        for (int x = 0; x < NT * kVecs; ++x) acc[r][x] = S::load(y + x * S::kLanes);
+      } else {
+        alignas(64) float tmp[NT * kTileN] = {};
+        std::memcpy(tmp, y, static_cast<size_t>(valid) * sizeof(float));
+        for (int x = 0; x < NT * kVecs; ++x) acc[r][x] = S::load(tmp + x * S::kLanes);
+      }
+    }
+  }
+
+  template <int NT, int R>
+  static CIM_INLINE void store_acc(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g1,
+                                   F (&acc)[R][NT * kVecs]) {
+    const PackedWeights& w = *args.W;
+    const int64_t n0 = t0 * kTileN;
+    const int64_t valid = w.N - n0 < NT * kTileN ? w.N - n0 : NT * kTileN;
+    const bool add_bias = w.bias != nullptr && g1 == w.groups;
+    for (int r = 0; r < R; ++r) {
+      float* y = args.Y + (m0 + r) * args.ldy + n0;
+      alignas(64) float tmp[NT * kTileN];
+      float* out = valid == NT * kTileN ? y : tmp;
+      for (int x = 0; x < NT * kVecs; ++x) {
+        F v = acc[r][x];
+        if (add_bias) v = S::add(v, S::load(w.bias + n0 + x * S::kLanes));
+        S::store(out + x * S::kLanes, v);
+      }
+      if (out == tmp) std::memcpy(y, tmp, static_cast<size_t>(valid) * sizeof(float));
+    }
+  }
+
+  // ---- fp32 mode ---------------------------------------------------------------------
+
+  // The first J codes of code row v (k = k0 .. k0 + J - 1) into the group sums.
+  template <int NT, int R, int J>
+  static CIM_INLINE void fp32_row(const uint8_t* const (&blk)[NT], int64_t v, const float* const (&a)[R], int64_t k0,
+                                  F (&t)[R][NT * kVecs]) {
+    I row[NT * kVecs];
+    for (int x = 0; x < NT * kVecs; ++x) row[x] = code_row<NT>(blk, v, x);
+    static_for<J>([&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      F wv[NT * kVecs];
+      for (int x = 0; x < NT * kVecs; ++x) wv[x] = S::template code_minus_8<j>(row[x]);
+      for (int r = 0; r < R; ++r) {
+        const F av = S::set1(a[r][k0 + j]);
+        for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
+      }
+    });
+  }
+
+  template <int NT, int R>
+  static void fp32_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
+    const PackedWeights& w = *args.W;
+    F acc[R][NT * kVecs];
+    load_acc<NT, R>(args, t0, m0, g0, acc);
+    const float* a[R];
+    for (int r = 0; r < R; ++r) a[r] = args.A + (m0 + r) * args.lda;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* blk[NT];
+      blocks_of<NT>(w, t0, g, blk);
+      prefetch_ahead<NT>(w, blk);
+      F t[R][NT * kVecs];
+      for (int r = 0; r < R; ++r)
+        for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
+      const int64_t k0 = g * w.group_size;
+      const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
+      int64_t v = 0;
+      for (; 8 * v + 8 <= valid; ++v) fp32_row<NT, R, 8>(blk, v, a, k0 + 8 * v, t);
+      switch (valid - 8 * v) {  // the tail of K: codes past it are 8 (q = 0), A has no values there
+        case 7: fp32_row<NT, R, 7>(blk, v, a, k0 + 8 * v, t); break;
+        case 6: fp32_row<NT, R, 6>(blk, v, a, k0 + 8 * v, t); break;
+        case 5: fp32_row<NT, R, 5>(blk, v, a, k0 + 8 * v, t); break;
+        case 4: fp32_row<NT, R, 4>(blk, v, a, k0 + 8 * v, t); break;
+        case 3: fp32_row<NT, R, 3>(blk, v, a, k0 + 8 * v, t); break;
+        case 2: fp32_row<NT, R, 2>(blk, v, a, k0 + 8 * v, t); break;
+        case 1: fp32_row<NT, R, 1>(blk, v, a, k0 + 8 * v, t); break;
+        default: break;
+      }
+      for (int x = 0; x < NT * kVecs; ++x) {
+        const F s = scales_of<NT>(w, blk, x);
+        for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
+      }
+    }
+    store_acc<NT, R>(args, t0, m0, g1, acc);
+  }
+
+  // ---- int8 mode ---------------------------------------------------------------------
+
+  template <int NT, int R>
+  static void int8_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
+    const PackedWeights& w = *args.W;
+    const QuantizedA& qa = *args.QA;
+    const int64_t k_padded = w.groups * w.group_size;
+    F acc[R][NT * kVecs];
+    load_acc<NT, R>(args, t0, m0, g0, acc);
+    const int8_t* q[R];
+    for (int r = 0; r < R; ++r) q[r] = qa.q + (m0 + r) * k_padded;
+    const int64_t rows = w.group_size / 8;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* blk[NT];
+      blocks_of<NT>(w, t0, g, blk);
+#ifdef CIM_PF_INT8
+      prefetch_ahead<NT>(w, blk);
+#endif
+      I d[R][NT * kVecs];
+      for (int r = 0; r < R; ++r) {
+        const I z = S::set1_i32(qa.zsum[(m0 + r) * w.groups + g]);
+        for (int x = 0; x < NT * kVecs; ++x) d[r][x] = z;
+      }
+      const int64_t k0 = g * w.group_size;
+      for (int64_t v = 0; v < rows; ++v) {
+        I lo[NT * kVecs], hi[NT * kVecs];
+        for (int x = 0; x < NT * kVecs; ++x) {
+          const I row = code_row<NT>(blk, v, x);
+          lo[x] = S::low_nibbles(row);   // lane c: codes k0+8v .. +3 of channel c
+          hi[x] = S::high_nibbles(row);  // lane c: codes k0+8v+4 .. +7
+        }
+        for (int r = 0; r < R; ++r) {
+          const I q_lo = S::set1_i32(load_i32(q[r] + k0 + 8 * v));
+          const I q_hi = S::set1_i32(load_i32(q[r] + k0 + 8 * v + 4));
+          for (int x = 0; x < NT * kVecs; ++x) d[r][x] = S::dot4(S::dot4(d[r][x], lo[x], q_lo), hi[x], q_hi);
+        }
+      }
+      for (int x = 0; x < NT * kVecs; ++x) {
+        const F s = scales_of<NT>(w, blk, x);
+        for (int r = 0; r < R; ++r) {
+          const F scale = S::mul(S::set1(qa.scale[(m0 + r) * w.groups + g]), s);
+          acc[r][x] = S::fma(S::cvt(d[r][x]), scale, acc[r][x]);
+        }
+      }
+    }
+    store_acc<NT, R>(args, t0, m0, g1, acc);
+  }
+
+  // ---- drivers -----------------------------------------------------------------------
+
+  template <bool kInt8, int NT, int R>
+  static CIM_INLINE void block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
+    if constexpr (kInt8) {
+      int8_block<NT, R>(args, t0, m0, g0, g1);
+    } else {
+      fp32_block<NT, R>(args, t0, m0, g0, g1);
+    }
+  }
+
+  // Rows m0 .. m0 + rows - 1 (1 <= rows <= kPrefillRows) against tiles t0 .. t0 + NT - 1.
+  template <bool kInt8, int NT, int R = S::kPrefillRows>
+  static void rows_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t rows, int64_t g0, int64_t g1) {
+    if constexpr (R >= 1) {
+      if (rows == R) {
+        block<kInt8, NT, R>(args, t0, m0, g0, g1);
+      } else {
+        rows_block<kInt8, NT, R - 1>(args, t0, m0, rows, g0, g1);
+      }
+    }
+  }
+
+  // Prefill blocking. A block of kPrefillK codes of every row of A is reused by all
+  // tiles of the range; within it, each block of rows (6 x 512 floats = 12 KB) stays in
+  // L1 while the weights of kPrefillTilesL2 tiles (32 x 16 groups x 320 B = 160 KB, L2)
+  // pass under it, chunk by chunk.
+  static constexpr int64_t kPrefillK = 512;
+  static constexpr int64_t kPrefillTilesL2 = 32;
+
+  template <bool kInt8>
+  static void matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    const PackedWeights& w = *args.W;
+    if (args.M == 1) {
+      constexpr int NT = S::kDecodeTiles;
+      int64_t t = tile_begin;
+      for (; t + NT <= tile_end; t += NT) block<kInt8, NT, 1>(args, t, 0, 0, w.groups);
+      for (; t < tile_end; ++t) block<kInt8, 1, 1>(args, t, 0, 0, w.groups);
+      return;
+    }
+    constexpr int NT = S::kPrefillTiles;
+    constexpr int R = S::kPrefillRows;
+    const int64_t k_groups = kPrefillK / w.group_size > 0 ? kPrefillK / w.group_size : 1;
+    for (int64_t g0 = 0; g0 < w.groups; g0 += k_groups) {
+      const int64_t g1 = g0 + k_groups < w.groups ? g0 + k_groups : w.groups;
+      for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPrefillTilesL2) {
+        const int64_t n1 = n0 + kPrefillTilesL2 < tile_end ? n0 + kPrefillTilesL2 : tile_end;
+        for (int64_t m0 = 0; m0 < args.M; m0 += R) {
+          const int64_t rows = args.M - m0 < R ? args.M - m0 : R;
+          int64_t t = n0;
+          for (; t + NT <= n1; t += NT) rows_block<kInt8, NT>(args, t, m0, rows, g0, g1);
+          for (; t < n1; ++t) rows_block<kInt8, 1>(args, t, m0, rows, g0, g1);
+        }
+      }
+    }
+  }
+
+  static void matmul_fp32(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    matmul<false>(args, tile_begin, tile_end);
+  }
+  static void matmul_int8(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    matmul<true>(args, tile_begin, tile_end);
+  }
+};
+
+}  // namespace
+}  // namespace cim

@@ -1,0 +1,291 @@
+"""One CimInt4MatMul at a time: its kernel against its dequantized weights, its weights against the FP32 ones.
+
+Both checks are free of the error of other layers (see ``cim_int4.validate`` for how
+they are used):
+
+* the kernel: the node runs alone in ORT on the FP32 model's own input to it, and its
+  output is held to that input times its dequantized weights, within the rounding that
+  the node's compute mode allows (``expected``). A kernel that reads nibbles, groups or
+  scales other than the format says is far outside that bound.
+* the weights: each dequantized weight must be within one quantization step of the FP32
+  weight it replaces (``code_steps``: round to nearest gives <= 0.5, clipping at the ends
+  of -8..7 counts as 0). A file whose nibbles were swapped or whose scales belong to
+  other groups is several steps off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .exporter.rewrite import DEFAULT_DOMAINS, _Constants, _Ineligible, _matmul_operands
+from .ops import OP_DOMAIN, OP_TYPE, make_session, reference
+from .ops.names import COMPUTE_CONFIG
+
+ModelSource = str | os.PathLike | onnx.ModelProto
+U32 = 2.0**-24  # unit roundoff of float32
+# A layer passes while its largest error is within this multiple of the bound derived in
+# expected; the bound is already a worst case, the factor absorbs a kernel's own order
+# of operations (e.g. a final bias add) that the derivation does not model.
+SAFETY = 2.0
+# No rounding rule moves a weight further than one step from the grid point nearest to it.
+MAX_CODE_STEPS = 1.0
+# ORT >= 1.18 reads the external data of a model given as bytes from this folder.
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+class CompareError(ValueError):
+    """The models cannot be compared as given; the message names what differs or what is missing."""
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One CimInt4MatMul run alone on the FP32 model's input to it, against its dequantized weights."""
+
+    node: str
+    output: str
+    compute: str
+    rel_l2: float  # ||op - expected|| / ||expected||
+    worst: float  # max |op - expected| / bound: <= 1 means explained by the int4 weights and the compute mode
+    # Largest distance, in quantization steps, of a dequantized weight from its FP32 weight's
+    # grid point (see the module doc); None when the FP32 layer has no constant weight to compare.
+    code_steps: float | None = None
+    # ||op - fp32 layer|| / ||fp32 layer|| on the same input: this layer's own quantization error.
+    own_rel_l2: float | None = None
+    error: str | None = None  # the node failed to run
+
+    @property
+    def kernel_ok(self) -> bool:
+        return self.error is None and math.isfinite(self.worst) and self.worst <= 1.0
+
+    @property
+    def weights_ok(self) -> bool:
+        return self.code_steps is None or self.code_steps <= MAX_CODE_STEPS
+
+    @property
+    def ok(self) -> bool:
+        return self.kernel_ok and self.weights_ok
+
+
+class Model:
+    """A model given as a path or ModelProto; a path's graph is read without its external data."""
+
+    def __init__(self, source: ModelSource, label: str) -> None:
+        self.label = label
+        if isinstance(source, onnx.ModelProto):
+            self.proto, self.dir = source, None
+            return
+        path = Path(source)
+        if not path.is_file():
+            raise CompareError(f"{label} model {path}: no such file")
+        try:
+            self.proto = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # noqa: BLE001 - protobuf raises several types; all mean "not a model"
+            raise CompareError(f"{label} model {path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+        if not self.proto.HasField("graph"):
+            raise CompareError(f"{label} model {path}: not an ONNX model (no graph)")
+        self.path, self.dir = path, path.parent
+
+    def array(self, t: onnx.TensorProto) -> np.ndarray:
+        """A tensor's values, read from the external data file when it has one."""
+        return numpy_helper.to_array(t, base_dir=str(self.dir or ""))
+
+    def with_outputs(self, names: list[str]) -> bytes:
+        """The model with ``names`` added as graph outputs, serialized; its external data stays in its files."""
+        graph = self.proto.graph
+        present = {o.name for o in graph.output}
+        added = [n for n in names if n not in present]
+        graph.output.extend(onnx.ValueInfoProto(name=n) for n in added)
+        try:
+            return self.proto.SerializeToString()
+        finally:
+            for _ in added:
+                graph.output.pop()
+
+    def config(self) -> dict[str, str]:
+        """Session config entries: where ORT finds the external data of a model given as bytes."""
+        return {} if self.dir is None else {EXTERNAL_FOLDER: str(self.dir.resolve())}
+
+
+def is_int4(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a CimInt4MatMul."""
+    return node.op_type == OP_TYPE and node.domain == OP_DOMAIN
+
+
+def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, float, float]:
+    """(rel L2, max |diff|, cosine, SNR dB) of ``int4`` against ``fp32``.
+
+    Equal non-finite values (the -inf of an attention mask) count as no difference and
+    stay out of the norms; a non-finite value on one side only is an infinite difference.
+    """
+    r, g = np.asarray(fp32, np.float64).ravel(), np.asarray(int4, np.float64).ravel()
+    if r.shape != g.shape:
+        raise CompareError(f"shapes differ: FP32 {np.shape(fp32)}, INT4 {np.shape(int4)}")
+    finite = np.isfinite(r) & np.isfinite(g)
+    equal = (r == g) | (np.isnan(r) & np.isnan(g))
+    with np.errstate(invalid="ignore"):  # inf - inf where not finite: replaced below
+        d = np.where(finite, g - r, np.where(equal, 0.0, np.inf))
+    r, g = np.where(finite, r, 0.0), np.where(finite, g, 0.0)
+    norm, diff = np.linalg.norm(r), np.linalg.norm(d)
+    denom = norm * np.linalg.norm(g)
+    rel = float(diff / norm) if norm > 0 else float(diff)
+    max_abs = float(np.max(np.abs(d))) if d.size else 0.0
+    cosine = float(r @ g / denom) if denom > 0 else (1.0 if diff == 0 else 0.0)
+    snr = math.inf if diff == 0 else (20 * math.log10(norm / diff) if norm > 0 and math.isfinite(diff) else -math.inf)
+    return rel, max_abs, cosine, snr
+
+
+def compute_config(compute: str | None) -> dict[str, str]:
+    """Session config entries that set every node's compute mode (none for None: each node's own)."""
+    return {} if compute is None else {COMPUTE_CONFIG: compute}
+
+
+def _attr(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
+    return next((a for a in node.attribute if a.name == name), None)
+
+
+def expected(
+    a: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, g: int, bias: np.ndarray | None, compute: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """What the node should output for ``a`` (float64) and a worst-case bound of its rounding, elementwise.
+
+    * ``fp32``: ``a @ W`` with W dequantized, exact in float64; any float32 summation order
+      and the final scaling stay within ``(K + 2) u sum|a w|`` (Higham, eq. 3.5), plus one
+      rounding of the result (bias add).
+    * ``int8``: A quantized per row and group exactly as ``reference.quantize_activations``;
+      per group the exact integer ``d`` times ``as * s``. Summing G groups in any order and
+      rounding ``as * s`` and the result stay within ``(G + 3) u sum|d as s|``. A kernel
+      whose ``a * 127 / amax`` lands on the other side of a rounding tie (a last-bit
+      difference, ~2**-17 per element) moves one code of one element: ``8 as |s|`` of its
+      group, allowed once per row.
+    """
+    rows = np.asarray(a, dtype=np.float32).reshape(-1, k)
+    if compute == "int8":
+        qa, ascale, bsum = reference.quantize_activations(rows, k, g)
+        codes = reference.unpack(packed).astype(np.int64) + 8  # [N, K_padded]
+        scales64 = np.asarray(scales, dtype=np.float64)
+        y = np.zeros((rows.shape[0], scales.shape[0]))
+        mag = np.zeros_like(y)
+        tie = np.zeros_like(y)
+        for j in range(scales.shape[1]):
+            sl = slice(j * g, (j + 1) * g)
+            d = qa[:, sl].astype(np.int64) @ codes[:, sl].T - 8 * bsum[:, j : j + 1].astype(np.int64)
+            step = ascale[:, j : j + 1].astype(np.float64) * scales64[None, :, j]
+            y += d * step
+            mag += np.abs(d * step)
+            tie = np.maximum(tie, 8 * np.abs(step))
+        bound = (scales.shape[1] + 3) * U32 * mag + tie
+    else:
+        w = reference.dequantize(packed, scales, k, g)
+        y = rows.astype(np.float64) @ w
+        bound = (k + 2) * U32 * (np.abs(rows.astype(np.float64)) @ np.abs(w))
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    bound = bound + U32 * np.abs(y)
+    return y.reshape(*a.shape[:-1], -1), SAFETY * bound.reshape(*a.shape[:-1], -1)
+
+
+def code_steps(w: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, g: int) -> float:
+    """Largest distance, in steps of its group's scale, of a code from the FP32 weight ``w`` [K, N] it stands for.
+
+    Round to nearest gives <= 0.5; a weight beyond the grid's end that maps to code -8 or 7
+    counts 0. Groups with scale 0 must hold zero weights (else: inf).
+    """
+    q = reference.unpack(packed)[:, :k].T.astype(np.float64)  # [K, N]
+    s = np.repeat(np.asarray(scales, np.float64), g, axis=1)[:, :k].T
+    w = np.asarray(w, np.float64)
+    zero = s == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(zero, 0.0, w / np.where(zero, 1.0, s))
+    dist = np.abs(t - q)
+    dist = np.where(((q == 7) & (t > 7)) | ((q == -8) & (t < -8)), 0.0, dist)
+    dist = np.where(zero, np.where((w == 0) & (q == 0), 0.0, np.inf), dist)
+    return float(dist.max()) if dist.size else 0.0
+
+
+def _fp32_operands(fp32: Model, node: onnx.NodeProto | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Weight [K, N] and bias of the FP32 MatMul/Gemm ``node`` as the exporter folds them, or None if not constant."""
+    if node is None or node.op_type not in ("MatMul", "Gemm") or node.domain not in DEFAULT_DOMAINS:
+        return None
+    # Only this node's operands, with their data loaded: a big model's other weights stay on disk.
+    inits = {t.name: t for t in fp32.proto.graph.initializer}
+    consts = {n.output[0]: n for n in fp32.proto.graph.node if n.op_type == "Constant"}
+    graph = onnx.GraphProto()
+    graph.input.extend(i for i in fp32.proto.graph.input if i.name in node.input)
+    for name in node.input[1:]:
+        if name in inits:
+            graph.initializer.append(numpy_helper.from_array(fp32.array(inits[name]), name))
+        elif name in consts:
+            graph.node.append(consts[name])
+    try:
+        return _matmul_operands(node, _Constants(graph))
+    except _Ineligible:
+        return None
+
+
+def check_layer(
+    model: Model,
+    node: onnx.NodeProto,
+    a: np.ndarray,
+    threads: int | None = None,
+    fp32: Model | None = None,
+    fp32_node: onnx.NodeProto | None = None,
+    fp32_out: np.ndarray | None = None,
+    compute: str | None = None,
+) -> LayerCheck:
+    """Check ``node`` (a CimInt4MatMul of ``model``): run alone on ``a``, and its weights against ``fp32_node``'s."""
+    label = node.name or node.output[0]
+    if compute is None:
+        compute_attr = _attr(node, "compute")
+        compute = compute_attr.s.decode() if compute_attr is not None else "fp32"
+    attrs = {}
+    arrays: dict[str, np.ndarray] = {}
+    for at in node.attribute:
+        if at.type == onnx.AttributeProto.TENSOR:
+            arrays[at.name] = model.array(at.t)
+            attrs[at.name] = numpy_helper.from_array(arrays[at.name], at.name)
+        else:
+            attrs[at.name] = helper.get_attribute_value(at)
+    alone = helper.make_node(OP_TYPE, ["A"], ["Y"], name=label, domain=OP_DOMAIN, **attrs)
+    graph = helper.make_graph(
+        [alone],
+        "alone",
+        [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, list(a.shape))],
+        [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)],
+    )
+    one = helper.make_model(graph, opset_imports=list(model.proto.opset_import), ir_version=model.proto.ir_version)
+    try:
+        session = make_session(one, threads=threads, config=compute_config(compute))
+        (got,) = session.run(None, {"A": np.asarray(a, dtype=np.float32)})
+        k, g = int(_attr(node, "K").i), int(_attr(node, "group_size").i) if _attr(node, "group_size") else 32
+        if compute not in reference.COMPUTE_MODES:
+            raise ValueError(f"attribute compute={compute!r} is not one of {reference.COMPUTE_MODES}")
+        want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute)
+    except Exception as e:  # noqa: BLE001 - any failure of the layer alone is this layer's verdict
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return LayerCheck(label, node.output[0], compute, math.inf, math.inf, error=f"fails to run alone: {first}")
+    steps = None
+    operands = _fp32_operands(fp32, fp32_node) if fp32 is not None else None
+    if operands is not None and operands[0].shape == (k, int(_attr(node, "N").i)):
+        w, bias = operands
+        steps = code_steps(w, arrays["packed"], arrays["scales"], k, g)
+        if (bias is None) != ("bias" not in arrays) or (
+            bias is not None and not np.allclose(bias, arrays["bias"], rtol=1e-6, atol=0)
+        ):
+            steps = math.inf  # the bias is the FP32 one, copied exactly
+    diff = np.abs(got.astype(np.float64) - want)
+    worst = float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny))) if diff.size else 0.0
+    if not np.all(np.isfinite(got)):
+        worst = math.inf
+    norm = float(np.linalg.norm(want))
+    rel = float(np.linalg.norm(diff) / norm) if norm > 0 else float(np.linalg.norm(diff))
+    own = None
+    if fp32_out is not None and np.shape(fp32_out) == got.shape:
+        own = tensor_error(fp32_out, got)[0]
+    return LayerCheck(label, node.output[0], compute, rel, worst, steps, own)
