@@ -14,9 +14,7 @@ tests/test_accuracy.py runs the small cases.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +26,9 @@ from cim_int4.exporter.sensitivity import worst_cosine, worst_rel_l2
 from cim_int4.graphs import BUILDERS, LlamaConfig, llama_decoder, random_input, single_matmul
 from cim_int4.ops import session_options
 
+from cim_int4.bench.variants import quantize_nbits
+
 MODELS = Path(__file__).parent
-BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -79,29 +78,9 @@ SMALL_CASES: dict[str, Case] = {
 }
 
 
-@contextlib.contextmanager
-def _quiet_root_logger() -> Iterator[None]:
-    # The quantizer module calls logging.basicConfig(level=INFO) on import and logs per node.
-    root = logging.getLogger()
-    level, handlers = root.level, root.handlers[:]
-    try:
-        yield
-    finally:
-        root.setLevel(level)
-        root.handlers[:] = handlers
-
-
 def matmul_nbits(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with ORT's MatMulNBitsQuantizer applied: 4 bits, block 32, symmetric, accuracy level 0."""
-    with _quiet_root_logger():
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        quantizer = MatMulNBitsQuantizer(copy, bits=4, block_size=BLOCK, is_symmetric=True, accuracy_level=0)
-        quantizer.process()
-    return quantizer.model.model
+    return quantize_nbits(model, accuracy_level=0)
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
