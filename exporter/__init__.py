@@ -1,6 +1,7 @@
 """FP32 ONNX model -> CimInt4MatMul model."""
 
 from .api import ExportError, NothingToQuantize, export_int4, export_with_summary, load_model, save_model
+from .options import DEFAULT_COMPUTE, ExportOptions
 from .quantize import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SCALE_RULE,
@@ -10,7 +11,7 @@ from .quantize import (
     quantize,
     quantize_weight,
 )
-from .rewrite import DEFAULT_COMPUTE, ExportSummary, Rewritten, Skipped, rewrite_model
+from .rewrite import ExportSummary, Rewritten, Skipped, rewrite_model
 from .scale_rules import SCALE_RULES
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "SCALE_RULES",
     "SUPPORTED_GROUP_SIZES",
     "ExportError",
+    "ExportOptions",
     "ExportSummary",
     "NothingToQuantize",
     "QuantizedWeight",

@@ -12,9 +12,11 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper
 
+from .options import DEFAULT_COMPUTE, ExportOptions
 from .quantize import DEFAULT_SCALE_RULE
-from .rewrite import DEFAULT_COMPUTE, ExportOptions, ExportSummary, rewrite_model
+from .rewrite import ExportSummary, rewrite_model
 from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
+from .simplify import simplify_model
 
 # Protobuf cannot serialise 2 GiB; above this the attributes go to an external data file.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -124,6 +126,8 @@ def export_int4(
     feeds: str | os.PathLike | Feeds | None = None,
     target_cosine: float = DEFAULT_TARGET_COSINE,
     quiet: bool = False,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
@@ -131,6 +135,7 @@ def export_int4(
     ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
     a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
     ``target_cosine`` on them (see exporter.sensitivity).
+    ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that is the input, ValueError for a bad option.
     """
@@ -138,8 +143,18 @@ def export_int4(
     if output is not None and source_path is not None and _same_file(source_path, Path(output)):
         raise ExportError(f"{output}: output path is the input file; choose another output path")
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
-    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute)
-    quantized, summary = _export(proto, options, feeds, target_cosine)
+    quantized, summary = export_with_summary(
+        proto,
+        group_size=group_size,
+        exclude=exclude,
+        min_size=min_size,
+        scale_rule=scale_rule,
+        compute=compute,
+        feeds=feeds,
+        target_cosine=target_cosine,
+        fold_input_initializers=fold_input_initializers,
+        simplify=simplify,
+    )
     if not quiet:
         print(summary.format())
     if output is not None:
@@ -159,19 +174,20 @@ def export_with_summary(
     compute: str = DEFAULT_COMPUTE,
     feeds: str | os.PathLike | Feeds | None = None,
     target_cosine: float = DEFAULT_TARGET_COSINE,
+    fold_input_initializers: bool | None = None,
+    simplify: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute)
-    return _export(model, options, feeds, target_cosine)
-
-
-def _export(
-    model: onnx.ModelProto, options: ExportOptions, feeds: str | os.PathLike | Feeds | None, target_cosine: float
-) -> tuple[onnx.ModelProto, ExportSummary]:
+    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers)
+    note = None
+    if simplify:
+        model, note = simplify_model(model)
     if feeds is None:
         quantized, summary = rewrite_model(model, options)
     else:
         quantized, summary = export_mixed(model, feeds, target_cosine, options)
+    if note:
+        summary.warnings.insert(0, note)
     if not summary.rewritten:
         mixed = summary.mixed_precision
         if mixed is not None and mixed.layers:

@@ -24,8 +24,10 @@ from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .api import ExportError, _same_file, load_model, max_ir_version, save_model
+from .fold import NotFoldable, Scope
 from .quantize import SUPPORTED_GROUP_SIZES
-from .rewrite import Skipped, _Constants, _drop_unused_constants
+from .rewrite import Skipped, drop_stray_imports
+from .subgraph import drop_unused
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
@@ -77,17 +79,18 @@ def _input(node: onnx.NodeProto, slot: int) -> str:
     return node.input[slot] if len(node.input) > slot else ""
 
 
-def _constant(consts: _Constants, node: onnx.NodeProto, slot: int, what: str) -> np.ndarray:
+def _constant(consts: Scope, node: onnx.NodeProto, slot: int, what: str) -> np.ndarray:
     name = node.input[slot]
-    tensor = consts.tensor(name)
-    if tensor is None:
-        raise _Unconvertible(f"{what} {name!r} is not a constant (not an initializer or Constant, or a graph input)")
-    if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+    tensor = consts.initializers.get(name)
+    if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
         raise ExportError(
             f"{what} {name!r} of node {node.name!r} is in external data that was not loaded; "
             "load the model from its file (onnx.load(path) or cim_int4.exporter.load_model)"
         )
-    return numpy_helper.to_array(tensor)
+    try:
+        return consts.resolve(name, what).value
+    except NotFoldable as why:
+        raise _Unconvertible(f"not a constant: {why}") from None
 
 
 def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
@@ -101,7 +104,7 @@ def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
     return bool(np.all(codes == 8))
 
 
-def _convert_node(node: onnx.NodeProto, consts: _Constants, compute: str) -> tuple[onnx.NodeProto, Converted]:
+def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[onnx.NodeProto, Converted]:
     attrs = _int_attrs(node)
     bits, block = attrs.get("bits", 4), attrs.get("block_size", 0)
     if bits != 4:
@@ -172,13 +175,14 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
     """
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
-    for opset in model.opset_import:
-        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
-            raise ExportError(f"model imports domain {OP_DOMAIN!r} at version {opset.version}; expected {OP_VERSION}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    try:
+        drop_stray_imports(out)  # an import left by ORT's transformers optimizer, with no node
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     graph = out.graph
-    consts = _Constants(graph)
+    consts = Scope(graph, fold_inputs=False)  # an overridable B or scales is the caller's to feed
     summary = ConvertSummary()
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -194,7 +198,7 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
         if not summary.skipped:
             raise ExportError(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
         raise ExportError(f"no {NBITS_OP} node could be converted\n{summary.format()}")
-    _drop_unused_constants(graph)
+    drop_unused(graph, folded=set(), folded_inputs=set())
     if not any(o.domain == OP_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
     out.ir_version = min(out.ir_version, max_ir_version())

@@ -1,9 +1,9 @@
-"""Graph rewrite: constant-weight MatMul / Gemm nodes become CimInt4MatMul nodes."""
+"""Graph rewrite: constant-weight MatMul / Gemm nodes, in the main graph and its subgraphs, become CimInt4MatMul."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,27 +12,22 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
-from ..ops.reference import COMPUTE_MODES
-from .quantize import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_RULE, QuantizedWeight, check_group_size, quantize_weight
-from .scale_rules import check_scale_rule
+from .fold import DEFAULT_DOMAINS, Scope
+from .operands import Ineligible, Plan, plan_gemm, plan_matmul
+from .options import ExportOptions
+from .quantize import QuantizedWeight, quantize_weight
+from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_domain
 
 if TYPE_CHECKING:
     from .sensitivity import MixedPrecision
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
-# Written into every node's ``compute`` attribute unless the export asks otherwise.
-DEFAULT_COMPUTE = "fp32"
-
-
-def check_compute(compute: str) -> None:
-    """Raise ValueError unless ``compute`` is a compute mode of the op."""
-    if compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+# Probe weights (see probe_model) are named from this prefix.
+_PROBE_PREFIX = "cim_int4.probe."
 
 
 @dataclass(frozen=True)
 class Rewritten:
-    """One node that became CimInt4MatMul."""
+    """One node that became CimInt4MatMul; ``path`` locates a node of a subgraph (``If 'c'/then_branch/``)."""
 
     name: str
     op_type: str
@@ -40,6 +35,8 @@ class Rewritten:
     n: int
     bytes_before: int
     bytes_after: int
+    path: str = ""
+    notes: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,17 +46,19 @@ class Skipped:
     name: str
     op_type: str
     reason: str
+    path: str = ""
 
 
 @dataclass
 class ExportSummary:
-    """What the rewrite did: nodes rewritten and skipped, weight bytes before and after."""
+    """What the rewrite did: nodes rewritten and skipped, weight bytes before and after, warnings."""
 
     group_size: int
-    scale_rule: str = DEFAULT_SCALE_RULE
-    compute: str = DEFAULT_COMPUTE
+    scale_rule: str
+    compute: str
     rewritten: list[Rewritten] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
     mixed_precision: MixedPrecision | None = None
 
@@ -78,50 +77,17 @@ class ExportSummary:
             f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
         ]
         for r in self.rewritten:
-            lines.append(f"  quantized {r.op_type} {r.name!r}: K={r.k} N={r.n}")
+            notes = f" ({r.notes})" if r.notes else ""
+            lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n}{notes}")
         for s in self.skipped:
-            lines.append(f"  skipped   {s.op_type} {s.name!r}: {s.reason}")
+            lines.append(f"  skipped   {s.path}{s.op_type} {s.name!r}: {s.reason}")
         if self.rewritten:
             ratio = self.bytes_before / max(self.bytes_after, 1)
             lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
         if self.mixed_precision is not None:
             lines.append(self.mixed_precision.format())
+        lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)
-
-
-class _Constants:
-    """Constant tensors of the main graph: initializers (not overridable inputs) and Constant nodes."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        inputs = {i.name for i in graph.input}
-        self.initializers = {t.name: t for t in graph.initializer}
-        self.overridable = inputs & self.initializers.keys()
-        self.constant_nodes = {
-            n.output[0]: n
-            for n in graph.node
-            if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and [a.name for a in n.attribute] == ["value"]
-        }
-
-    def tensor(self, name: str) -> onnx.TensorProto | None:
-        if name in self.overridable:
-            return None
-        if name in self.initializers:
-            return self.initializers[name]
-        node = self.constant_nodes.get(name)
-        return node.attribute[0].t if node is not None else None
-
-
-def _used_names(graph: onnx.GraphProto) -> Iterator[str]:
-    """Every tensor name read by a node of ``graph`` or of its subgraphs, and every graph output."""
-    for node in graph.node:
-        yield from (i for i in node.input if i)
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _used_names(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _used_names(g)
-    yield from (o.name for o in graph.output)
 
 
 def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | None:
@@ -131,112 +97,292 @@ def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | N
     return None
 
 
-def _attr(node: onnx.NodeProto, name: str, default: float | int) -> float | int:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+def _default_opset(model: onnx.ModelProto) -> int:
+    versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
+    return versions[0] if versions else onnx.defs.onnx_opset_version()
 
 
-class _Ineligible(Exception):
-    """A node that stays as it is; the message says why."""
+def drop_stray_imports(model: onnx.ModelProto) -> list[str]:
+    """Remove imports of our domain at another version that no node uses (ORT's transformers optimizer writes v1000).
 
-
-def _weight(consts: _Constants, name: str) -> np.ndarray:
-    tensor = consts.tensor(name)
-    if tensor is None:
-        raise _Ineligible(f"weight {name!r} is not a constant (not an initializer or Constant, or a graph input)")
-    if tensor.data_type != onnx.TensorProto.FLOAT:
-        dtype = onnx.TensorProto.DataType.Name(tensor.data_type)
-        raise _Ineligible(f"weight {name!r} is {dtype}; only FLOAT (float32) weights are quantized")
-    if len(tensor.dims) != 2:
-        raise _Ineligible(f"weight {name!r} has shape {list(tensor.dims)}; only 2-D weights are quantized")
-    return numpy_helper.to_array(tensor)
-
-
-def _matmul_operands(node: onnx.NodeProto, consts: _Constants) -> tuple[np.ndarray, np.ndarray | None]:
-    """Weight [K, N] and bias [N] (or None) of an eligible MatMul or Gemm."""
-    if node.op_type == "MatMul":
-        return _weight(consts, node.input[1]), None
-    # Gemm: Y = alpha * A' B' + beta * C; only A' = A keeps the op's [..., K] input.
-    if _attr(node, "transA", 0):
-        raise _Ineligible("Gemm with transA=1 is not supported")
-    w = _weight(consts, node.input[1])
-    if _attr(node, "transB", 0):
-        w = w.T
-    w = np.ascontiguousarray(w * np.float32(_attr(node, "alpha", 1.0)), dtype=np.float32)
-    if len(node.input) < 3 or not node.input[2]:
-        return w, None
-    c_tensor = consts.tensor(node.input[2])
-    if c_tensor is None or c_tensor.data_type != onnx.TensorProto.FLOAT:
-        raise _Ineligible(f"Gemm bias {node.input[2]!r} is not a float32 constant")
-    c = numpy_helper.to_array(c_tensor).astype(np.float32) * np.float32(_attr(node, "beta", 1.0))
-    n = w.shape[1]
-    if c.size not in (1, n) or (c.ndim == 2 and c.shape[0] != 1) or c.ndim > 2:
-        raise _Ineligible(f"Gemm bias {node.input[2]!r} has shape {list(c.shape)}; only [N], [1, N] or scalar fold")
-    return w, np.ascontiguousarray(np.broadcast_to(c.reshape(-1), (n,)), dtype=np.float32)
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """How to export: which nodes (group size, exclusions, minimum size) and how (scale rule, compute mode)."""
-
-    group_size: int = DEFAULT_GROUP_SIZE
-    exclude: tuple[str, ...] = ()
-    min_size: int = 0
-    scale_rule: str = DEFAULT_SCALE_RULE
-    compute: str = DEFAULT_COMPUTE
-
-    def __post_init__(self) -> None:
-        check_group_size(self.group_size)
-        check_scale_rule(self.scale_rule)
-        check_compute(self.compute)
-        object.__setattr__(self, "exclude", tuple(self.exclude))
+    Returns one warning line per import dropped; raises ValueError if a node uses the domain.
+    """
+    stray = [o for o in model.opset_import if o.domain == OP_DOMAIN and o.version != OP_VERSION]
+    if not stray:
+        return []
+    if uses_domain(model, OP_DOMAIN):
+        raise ValueError(
+            f"model imports domain {OP_DOMAIN!r} at version {stray[0].version} and has nodes in it; "
+            f"this exporter writes version {OP_VERSION}"
+        )
+    kept = [o for o in model.opset_import if not (o.domain == OP_DOMAIN and o.version != OP_VERSION)]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return [f"ignored opset import {OP_DOMAIN!r} v{o.version}: no node uses it (dropped)" for o in stray]
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """An eligible MatMul/Gemm: its index in the graph, report label, weight [K, N] and bias [N] (or None)."""
+    """An eligible MatMul/Gemm of a probe model: its key, probe weight name, weight [K, N] and bias [N] (or None)."""
 
-    index: int
-    label: str
-    op_type: str
+    key: str  # subgraph path + label, as in the summary; unique in the model
+    weight_name: str
     w: np.ndarray
     bias: np.ndarray | None
 
 
-def find_candidates(model: onnx.ModelProto, options: ExportOptions) -> tuple[list[Candidate], list[Skipped]]:
-    """The MatMul/Gemm nodes of ``model``'s main graph that can become CimInt4MatMul, and the others with why."""
-    group_size, min_size = options.group_size, options.min_size
+def _patterns(exclude: tuple[str, ...]) -> list[tuple[str, re.Pattern[str]]]:
     patterns = []
-    for text in options.exclude:
+    for text in exclude:
         try:
             patterns.append((text, re.compile(text)))
         except re.error as e:
             raise ValueError(f"exclude pattern {text!r} is not a valid regular expression: {e}") from e
-    consts = _Constants(model.graph)
-    candidates, skipped = [], []
-    for index, node in enumerate(model.graph.node):
-        if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
-            continue
-        label = node.name or f"{node.op_type}#{index} -> {node.output[0]}"
-        try:
-            pattern = _excluded(node.name, patterns)
-            if pattern is not None:
-                raise _Ineligible(f"excluded by pattern {pattern!r}")
-            w, bias = _matmul_operands(node, consts)
-            k, n = w.shape
-            if k < group_size:
-                raise _Ineligible(f"K={k} is smaller than group_size={group_size}")
-            if k * n < min_size:
-                raise _Ineligible(f"weight has {k * n} elements, fewer than min_size={min_size}")
-            if not np.all(np.isfinite(w)):
-                raise _Ineligible("weight has NaN or infinite values")
-        except _Ineligible as why:
-            skipped.append(Skipped(label, node.op_type, str(why)))
-            continue
-        candidates.append(Candidate(index, label, node.op_type, w, bias))
-    return candidates, skipped
+    return patterns
+
+
+class _Rewriter:
+    """One rewrite of one model: walks every graph, plans each MatMul/Gemm, emits the replacement nodes.
+
+    A probe rewrite (``probe=True``) emits ``MatMul(x, W) [+ bias]`` instead of CimInt4MatMul,
+    W an overridable main-graph initializer per node: the sensitivity analysis feeds INT4 weights there.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        options: ExportOptions,
+        keep: Mapping[str, str],
+        quantized: Mapping[str, QuantizedWeight],
+        probe: bool,
+    ):
+        self.model = model
+        self.options = options
+        self.group_size = options.group_size
+        self.patterns = _patterns(options.exclude)
+        self.min_size = options.min_size
+        self.fold_inputs = options.fold_input_initializers is not False
+        self.keep = keep
+        self.quantized = quantized
+        self.probe = probe
+        self.candidates: list[Candidate] = []
+        self.probe_weights: list[onnx.TensorProto] = []
+        self.opset = _default_opset(model)
+        self.summary = ExportSummary(options.group_size, options.scale_rule, options.compute)
+        self.names = defined_names(model.graph)
+        self.folded: set[str] = set()  # names read through by a quantized weight or bias
+        self.overridable: set[str] = set()
+        self._ranks: dict[str, int] | None = None
+
+    def fresh(self, base: str) -> str:
+        """A tensor name used nowhere in the model, derived from ``base``."""
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def rank_of(self, name: str, scope: Scope) -> int | None:
+        """Rank of tensor ``name`` from the model's declared shapes, else from ONNX shape inference (run once)."""
+        s: Scope | None = scope
+        while s is not None:
+            for v in [*s.graph.input, *s.graph.value_info, *s.graph.output]:
+                if v.name == name and v.type.tensor_type.HasField("shape"):
+                    return len(v.type.tensor_type.shape.dim)
+            s = s.parent
+        if self._ranks is None:
+            try:
+                inferred = onnx.shape_inference.infer_shapes(self.model)
+            except Exception:  # noqa: BLE001 - shape inference is a best effort here
+                inferred = self.model
+            self._ranks = {
+                v.name: len(v.type.tensor_type.shape.dim)
+                for g in all_graphs(inferred.graph)
+                for v in g.value_info
+                if v.type.tensor_type.HasField("shape")
+            }
+        return self._ranks.get(name)
+
+    def rewrite_graph(self, graph: onnx.GraphProto, parent: Scope | None, path: str) -> None:
+        scope = Scope(graph, parent, self.fold_inputs)
+        if parent is None:
+            self.overridable = set(scope.overridable)
+        casts: dict[str, str] = {}  # one Cast to float per fp16 activation, shared by its consumers
+        replaced: dict[int, list[onnx.NodeProto]] = {}
+        initializers: list[onnx.TensorProto] = []
+        for index, node in enumerate(graph.node):
+            label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+            for attr_label, body in subgraphs(node):
+                self.rewrite_graph(body, scope, f"{path}{node.op_type} {label!r}/{attr_label}/")
+            if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
+                continue
+            try:
+                pattern = _excluded(node.name, self.patterns)
+                if pattern is not None:
+                    raise Ineligible(f"excluded by pattern {pattern!r}")
+                if node.op_type == "MatMul":
+                    plan = plan_matmul(node, scope, lambda x: self.rank_of(x, scope))
+                else:
+                    plan = plan_gemm(node, scope)
+                k, n = plan.w.shape
+                if k < self.group_size:
+                    raise Ineligible(f"K={k} is smaller than group_size={self.group_size}")
+                if k * n < self.min_size:
+                    raise Ineligible(f"weight has {k * n} elements, fewer than min_size={self.min_size}")
+                if not np.all(np.isfinite(plan.w)):
+                    raise Ineligible("weight has NaN or infinite values")
+            except Ineligible as why:
+                self.summary.skipped.append(Skipped(label, node.op_type, str(why), path))
+                continue
+            key = f"{path}{label}"
+            if key in self.keep:
+                self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
+                continue
+            qw = None
+            if not self.probe:
+                qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
+            replaced[index] = self.emit(node, plan, key, qw, casts, initializers)
+            self.folded.update(plan.sources)
+            if qw is None:
+                continue
+            after = qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
+            self.summary.rewritten.append(
+                Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
+            )
+        # In place, from the back: the nodes kept (If bodies, say) are not copied.
+        for index in sorted(replaced, reverse=True):
+            first, *rest = replaced[index]
+            graph.node[index].CopyFrom(first)
+            for offset, extra in enumerate(rest, 1):
+                graph.node.insert(index + offset, extra)
+        graph.initializer.extend(initializers)
+
+    def _constant(self, base: str, value: np.ndarray, initializers: list[onnx.TensorProto]) -> str:
+        name = self.fresh(base)
+        initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    def _scaled_c(self, base: str, plan: Plan, nodes: list, initializers: list[onnx.TensorProto]) -> str:
+        """Gemm's C times beta: C itself when beta is 1, a new constant when C is one, else a Mul node."""
+        c = plan.add
+        assert c is not None
+        if plan.beta == 1.0:
+            return c
+        dtype = helper.tensor_dtype_to_np_dtype(plan.elem_type)
+        if plan.add_value is not None:
+            scaled = (plan.add_value.astype(np.float32) * np.float32(plan.beta)).astype(dtype)
+            return self._constant(f"{c}/beta", scaled, initializers)
+        beta = self._constant(f"{base}/beta", np.array(plan.beta, np.float32).astype(dtype), initializers)
+        out = self.fresh(f"{c}/beta")
+        nodes.append(helper.make_node("Mul", [c, beta], [out], name=f"{base}/scale_c"))
+        return out
+
+    def emit(
+        self,
+        node: onnx.NodeProto,
+        plan: Plan,
+        key: str,
+        qw: QuantizedWeight | None,
+        casts: dict[str, str],
+        initializers: list[onnx.TensorProto],
+    ) -> list[onnx.NodeProto]:
+        """The nodes replacing ``node``: [Cast, Transpose, Mul,] CimInt4MatMul [, Cast, Unsqueeze, Add]."""
+        base = node.name or f"{node.output[0]}/{OP_TYPE}"
+        nodes: list[onnx.NodeProto] = []
+        x = node.input[0]
+        cast = plan.elem_type != onnx.TensorProto.FLOAT
+        if cast:
+            if x not in casts:
+                casts[x] = self.fresh(f"{x}/float32")
+                nodes.append(
+                    helper.make_node("Cast", [x], [casts[x]], name=f"{base}/cast_in", to=onnx.TensorProto.FLOAT)
+                )
+            x = casts[x]
+        if plan.trans_a:
+            t = self.fresh(f"{x}/transposed")
+            nodes.append(helper.make_node("Transpose", [x], [t], name=f"{base}/transpose_a", perm=[1, 0]))
+            x = t
+        steps: list[tuple[str, list[str], dict]] = []
+        if cast:
+            steps.append(("Cast", [], {"to": plan.elem_type}))
+        if plan.unsqueeze:
+            axes = list(range(plan.unsqueeze))
+            if self.opset >= 13:
+                steps.append(
+                    ("Unsqueeze", [self._constant(f"{base}/axes", np.array(axes, np.int64), initializers)], {})
+                )
+            else:
+                steps.append(("Unsqueeze", [], {"axes": axes}))
+        if plan.add is not None:
+            steps.append(("Add", [self._scaled_c(base, plan, nodes, initializers)], {}))
+
+        y = node.output[0]
+        out = self.fresh(f"{y}/{OP_TYPE}") if steps else y
+        if qw is None:
+            nodes.extend(self._probe_core(base, key, x, out, plan, initializers))
+        else:
+            attrs = {
+                "K": qw.k,
+                "N": qw.n,
+                "group_size": qw.group_size,
+                "packed": numpy_helper.from_array(qw.packed, "packed"),
+                "scales": numpy_helper.from_array(qw.scales, "scales"),
+                "compute": self.options.compute,
+            }
+            if plan.bias is not None:
+                attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
+            nodes.append(helper.make_node(OP_TYPE, [x], [out], name=base, domain=OP_DOMAIN, **attrs))
+        for i, (op, extra, attributes) in enumerate(steps):
+            nxt = y if i == len(steps) - 1 else self.fresh(f"{y}/{op.lower()}")
+            nodes.append(helper.make_node(op, [out, *extra], [nxt], name=f"{base}/{op.lower()}", **attributes))
+            out = nxt
+        return nodes
+
+    def _probe_core(
+        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+    ) -> list[onnx.NodeProto]:
+        """``MatMul(x, W) [+ bias]`` in place of the op, W a new main-graph initializer (made overridable later)."""
+        w_name = self.fresh(f"{_PROBE_PREFIX}{len(self.candidates)}.weight")
+        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
+        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
+        if plan.bias is None:
+            return [helper.make_node("MatMul", [x, w_name], [out], name=base)]
+        b_name = self._constant(f"{w_name[: -len('weight')]}bias", plan.bias, initializers)
+        product = self.fresh(f"{out}/matmul")
+        return [
+            helper.make_node("MatMul", [x, w_name], [product], name=base),
+            helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias"),
+        ]
+
+
+def _rewrite(
+    model: onnx.ModelProto,
+    options: ExportOptions,
+    keep: Mapping[str, str],
+    quantized: Mapping[str, QuantizedWeight],
+    probe: bool,
+) -> tuple[onnx.ModelProto, _Rewriter]:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    dropped = drop_stray_imports(out)
+    rewriter = _Rewriter(out, options, keep, quantized, probe)
+    summary = rewriter.summary
+    summary.warnings.extend(dropped)
+    rewriter.rewrite_graph(out.graph, None, "")
+
+    if rewriter.folded:
+        folded_inputs = rewriter.folded & rewriter.overridable
+        drop_unused(out.graph, rewriter.folded, folded_inputs)
+        if folded_inputs and options.fold_input_initializers is None:
+            names = ", ".join(sorted(folded_inputs)[:3]) + (", ..." if len(folded_inputs) > 3 else "")
+            summary.warnings.append(
+                f"quantized {len(folded_inputs)} initializer(s) also listed as graph inputs ({names}): feeding "
+                "them no longer changes the weights; fold_input_initializers=False keeps them FP32"
+            )
+    if summary.rewritten and not any(o.domain == OP_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    return out, rewriter
 
 
 def rewrite_model(
@@ -248,85 +394,23 @@ def rewrite_model(
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
 
-    ``keep`` maps candidate labels to leave in FP32 to the reason the summary gives;
-    ``quantized`` holds weights already quantized (by label) with the same options.
+    ``keep`` maps node keys (subgraph path + label, as in the summary) to leave in FP32 to the
+    reason the summary gives; ``quantized`` holds weights already quantized (by key) with the same options.
     """
-    options = options or ExportOptions()
-    for opset in model.opset_import:
-        if opset.domain == OP_DOMAIN and opset.version != OP_VERSION:
-            raise ValueError(
-                f"model imports domain {OP_DOMAIN!r} at version {opset.version}; this exporter writes {OP_VERSION}"
-            )
-    candidates, skipped = find_candidates(model, options)
-    keep = keep or {}
-    quantized = quantized or {}
+    out, rewriter = _rewrite(model, options or ExportOptions(), keep or {}, quantized or {}, probe=False)
+    return out, rewriter.summary
 
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+
+def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
+    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
+
+    Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
+    feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
+    """
+    out, rewriter = _rewrite(model, options, {}, {}, probe=True)
     graph = out.graph
-    summary = ExportSummary(options.group_size, options.scale_rule, options.compute, skipped=skipped)
-    for c in candidates:
-        if c.label in keep:
-            summary.skipped.append(Skipped(c.label, c.op_type, keep[c.label]))
-            continue
-        node = graph.node[c.index]
-        qw = quantized.get(c.label) or quantize_weight(c.w, options.group_size, options.scale_rule)
-        k, n = c.w.shape
-        attrs = {
-            "K": k,
-            "N": n,
-            "group_size": options.group_size,
-            "packed": numpy_helper.from_array(qw.packed, "packed"),
-            "scales": numpy_helper.from_array(qw.scales, "scales"),
-            "compute": options.compute,
-        }
-        if c.bias is not None:
-            attrs["bias"] = numpy_helper.from_array(c.bias, "bias")
-        new = helper.make_node(
-            OP_TYPE,
-            [node.input[0]],
-            [node.output[0]],
-            name=node.name or f"{node.output[0]}/{OP_TYPE}",
-            domain=OP_DOMAIN,
-            **attrs,
-        )
-        graph.node[c.index].CopyFrom(new)
-        bias_bytes = 0 if c.bias is None else c.bias.nbytes
-        summary.rewritten.append(
-            Rewritten(
-                name=c.label,
-                op_type=c.op_type,
-                k=k,
-                n=n,
-                bytes_before=c.w.nbytes + bias_bytes,
-                bytes_after=qw.packed.nbytes + qw.scales.nbytes + bias_bytes,
-            )
-        )
-
-    if summary.rewritten:
-        _drop_unused_constants(graph)
-        if not any(o.domain == OP_DOMAIN for o in out.opset_import):
-            out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
-    return out, summary
-
-
-def _drop_unused_constants(graph: onnx.GraphProto) -> None:
-    used = set(_used_names(graph))
-    inputs = {i.name for i in graph.input}
-    keep_init = [t for t in graph.initializer if t.name in used or t.name in inputs]
-    if len(keep_init) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(keep_init)
-    keep_nodes = [
-        n
-        for n in graph.node
-        if not (n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and n.output[0] not in used)
-    ]
-    if len(keep_nodes) != len(graph.node):
-        del graph.node[:]
-        graph.node.extend(keep_nodes)
-    names = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | inputs
-    keep_vi = [v for v in graph.value_info if v.name in names]
-    if len(keep_vi) != len(graph.value_info):
-        del graph.value_info[:]
-        graph.value_info.extend(keep_vi)
+    graph.initializer.extend(rewriter.probe_weights)
+    graph.input.extend(
+        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
+    )
+    return out, rewriter.candidates

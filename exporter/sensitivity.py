@@ -30,24 +30,16 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
 
 from ..ops.reference import dequantize
 from ..ops.session import session_options
+from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
-from .rewrite import (
-    Candidate,
-    ExportOptions,
-    ExportSummary,
-    _drop_unused_constants,
-    find_candidates,
-    rewrite_model,
-)
+from .rewrite import ExportSummary, probe_model, rewrite_model
 
 DEFAULT_TARGET_COSINE = 0.99
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
 _IN_MEMORY_LIMIT = 1 << 30
-_PROBE_PREFIX = "cim_int4.probe."
 
 Feeds = Mapping[str, np.ndarray]
 
@@ -113,38 +105,6 @@ def _session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.Inferen
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _probe_model(model: onnx.ModelProto, candidates: Sequence[Candidate]) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy where candidate i computes ``A @ W_i (+ bias)`` with W_i an overridable input; the W_i names."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    graph = probe.graph
-    names = []
-    nodes = list(graph.node)
-    for i, c in enumerate(candidates):
-        node = nodes[c.index]
-        w_name = f"{_PROBE_PREFIX}{i}.weight"
-        names.append(w_name)
-        graph.initializer.append(numpy_helper.from_array(c.w, w_name))
-        graph.input.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(c.w.shape)))
-        y = node.output[0]
-        if c.bias is None:
-            replacement = [helper.make_node("MatMul", [node.input[0], w_name], [y], name=node.name)]
-        else:
-            b_name = f"{_PROBE_PREFIX}{i}.bias"
-            graph.initializer.append(numpy_helper.from_array(c.bias, b_name))
-            mm = f"{_PROBE_PREFIX}{i}.matmul"
-            replacement = [
-                helper.make_node("MatMul", [node.input[0], w_name], [mm], name=node.name),
-                helper.make_node("Add", [mm, b_name], [y], name=f"{_PROBE_PREFIX}{i}.add"),
-            ]
-        nodes[c.index] = replacement
-    del graph.node[:]
-    for entry in nodes:
-        graph.node.extend(entry if isinstance(entry, list) else [entry])
-    _drop_unused_constants(graph)  # the original weights: the probe has its own copies
-    return probe, names
-
-
 @dataclass(frozen=True)
 class LayerSensitivity:
     """One candidate layer: its output cosine when only it is INT4, and whether it stayed FP32."""
@@ -205,26 +165,25 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 def plan(
     model: onnx.ModelProto, feeds: Feeds, target_cosine: float, options: ExportOptions
 ) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
-    """Which candidate layers to keep FP32 (label -> reason), every candidate's INT4 weight, and the report."""
+    """Which candidate layers to keep FP32 (key -> reason), every candidate's INT4 weight, and the report."""
     if not 0.0 < target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
-    candidates, _ = find_candidates(model, options)
+    probe, candidates = probe_model(model, options)
     report = MixedPrecision(target_cosine=target_cosine)
     if not candidates:
         return {}, {}, report
-    probe, w_names = _probe_model(model, candidates)
     quiet = ort.SessionOptions()
     quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
     session = _session(probe, quiet)
-    quantized = {c.label: quantize_weight(c.w, options.group_size, options.scale_rule) for c in candidates}
+    quantized = {c.key: quantize_weight(c.w, options.group_size, options.scale_rule) for c in candidates}
 
     def int4_weight(i: int) -> np.ndarray:
-        qw = quantized[candidates[i].label]
+        qw = quantized[candidates[i].key]
         return dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
 
     def run(int4_layers: Sequence[int]) -> float:
         report.runs += 1
-        outs = session.run(None, {**feeds, **{w_names[i]: int4_weight(i) for i in int4_layers}})
+        outs = session.run(None, {**feeds, **{candidates[i].weight_name: int4_weight(i) for i in int4_layers}})
         return worst_cosine(reference, outs)
 
     reference = session.run(None, dict(feeds))
@@ -249,9 +208,9 @@ def plan(
     report.cosine_all_int4 = cosine_at.get(0)
     report.cosine_probe = cosine_at[hi]
     kept_set = set(order[:hi])
-    report.layers = [LayerSensitivity(c.label, c.w.nbytes, alone[i], i in kept_set) for i, c in enumerate(candidates)]
+    report.layers = [LayerSensitivity(c.key, c.w.nbytes, alone[i], i in kept_set) for i, c in enumerate(candidates)]
     keep = {
-        candidates[i].label: _keep_reason(rank + 1, len(order), report.layers[i]) for rank, i in enumerate(order[:hi])
+        candidates[i].key: _keep_reason(rank + 1, len(order), report.layers[i]) for rank, i in enumerate(order[:hi])
     }
     return keep, quantized, report
 

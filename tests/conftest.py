@@ -1,4 +1,7 @@
-"""Shared helpers of the cim-int4 tests: one-node CimInt4MatMul models, kernel discovery, error bounds."""
+"""Shared helpers of the cim-int4 tests: one-node CimInt4MatMul models, kernel discovery, error bounds.
+
+Also small graphs through the exporter, checked against their dequantized twin (``check``).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from cim_int4.exporter import QuantizedWeight, quantize_weight
+from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.ops import reference
 from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from onnx import TensorProto, helper, numpy_helper
@@ -132,3 +137,71 @@ def _restore_affinity() -> Iterator[None]:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
+    """``quantized`` with each CimInt4MatMul (any graph) as MatMul (+ Add) on its reference-dequantized weight."""
+    out = onnx.ModelProto()
+    out.CopyFrom(quantized)
+    for graph in all_graphs(out.graph):
+        nodes, inits = [], []
+        for node in graph.node:
+            if node.domain != OP_DOMAIN:
+                nodes.append(node)
+                continue
+            a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+            w = reference.dequantize(
+                numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), a["K"], a["group_size"]
+            )
+            inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
+            y = node.output[0]
+            if "bias" in a:
+                inits.append(numpy_helper.from_array(numpy_helper.to_array(a["bias"]), f"{node.name}.bias_attr"))
+                nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [f"{y}.matmul"]))
+                nodes.append(helper.make_node("Add", [f"{y}.matmul", f"{node.name}.bias_attr"], [y]))
+            else:
+                nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [y]))
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.initializer.extend(inits)
+    keep = [o for o in out.opset_import if o.domain != OP_DOMAIN]
+    del out.opset_import[:]
+    out.opset_import.extend(keep)
+    return out
+
+
+# ---------------------------------------------------------------- small graphs through the exporter
+
+
+def model_of(nodes, inputs, outputs, inits=(), opset: int = 17, elem: int = TensorProto.FLOAT) -> onnx.ModelProto:  # noqa: ANN001
+    """A model from nodes; ``inputs``/``outputs`` are (name, shape) pairs of type ``elem``."""
+    graph = helper.make_graph(
+        nodes,
+        "pattern",
+        [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, elem, s) for n, s in outputs],
+        list(inits),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def w(seed: int, *shape: int, dtype=np.float32) -> np.ndarray:  # noqa: ANN001
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def init(name: str, value: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(value, name)
+
+
+def check(model: onnx.ModelProto, q: onnx.ModelProto, feeds: dict[str, np.ndarray], rtol: float = 1e-4) -> None:
+    """``q`` runs, equals its dequantized twin up to rounding, and is within INT4 error of ``model``."""
+    names = [o.name for o in model.graph.output]
+    got = make_session(q, threads=1).run(names, feeds)
+    twin = ort.InferenceSession(dequantized_model(q).SerializeToString()).run(names, feeds)
+    fp32 = ort.InferenceSession(model.SerializeToString()).run(names, feeds)
+    for name, g, t, f in zip(names, got, twin, fp32, strict=True):
+        assert g.shape == f.shape and g.dtype == f.dtype, name
+        scale = float(np.abs(t.astype(np.float64)).max())
+        np.testing.assert_allclose(g.astype(np.float64), t.astype(np.float64), rtol=rtol, atol=rtol * scale)
+        rel = np.linalg.norm(g.astype(np.float64) - f) / np.linalg.norm(f.astype(np.float64))
+        assert rel < 0.2, f"{name}: relative error {rel:.3f} vs FP32: the wrong weight was quantized"

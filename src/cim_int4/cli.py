@@ -37,6 +37,8 @@ def _export(args: argparse.Namespace) -> int:
         feeds=args.feeds,
         target_cosine=DEFAULT_TARGET_COSINE if args.target_cosine is None else args.target_cosine,
         quiet=args.quiet,
+        fold_input_initializers=args.fold_input_initializers,
+        simplify=args.simplify,
     )
     return 0
 
@@ -193,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="C",
         help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE})",
     )
+    p.add_argument(
+        "--fold-input-initializers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="quantize initializers also listed as graph inputs silently (default: quantize them with a warning; "
+        "--no-fold-input-initializers leaves them FP32)",
+    )
+    p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_export)
 

@@ -15,6 +15,7 @@ they are used):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .exporter.rewrite import DEFAULT_DOMAINS, _Constants, _Ineligible, _matmul_operands
+from .exporter.fold import DEFAULT_DOMAINS, Scope
+from .exporter.operands import Ineligible, plan_gemm, plan_matmul
 from .ops import OP_DOMAIN, OP_TYPE, make_session, reference
 from .ops.names import COMPUTE_CONFIG
 
@@ -107,6 +109,11 @@ class Model:
         finally:
             for _ in added:
                 graph.output.pop()
+
+    @functools.cached_property
+    def scope(self) -> Scope:
+        """The main graph's constants as the exporter resolves them; values are read on demand."""
+        return Scope(self.proto.graph, load=self.array)
 
     def config(self) -> dict[str, str]:
         """Session config entries: where ORT finds the external data of a model given as bytes."""
@@ -213,20 +220,16 @@ def _fp32_operands(fp32: Model, node: onnx.NodeProto | None) -> tuple[np.ndarray
     """Weight [K, N] and bias of the FP32 MatMul/Gemm ``node`` as the exporter folds them, or None if not constant."""
     if node is None or node.op_type not in ("MatMul", "Gemm") or node.domain not in DEFAULT_DOMAINS:
         return None
-    # Only this node's operands, with their data loaded: a big model's other weights stay on disk.
-    inits = {t.name: t for t in fp32.proto.graph.initializer}
-    consts = {n.output[0]: n for n in fp32.proto.graph.node if n.op_type == "Constant"}
-    graph = onnx.GraphProto()
-    graph.input.extend(i for i in fp32.proto.graph.input if i.name in node.input)
-    for name in node.input[1:]:
-        if name in inits:
-            graph.initializer.append(numpy_helper.from_array(fp32.array(inits[name]), name))
-        elif name in consts:
-            graph.node.append(consts[name])
+    # Only this node's operands (through the producers the exporter folds) are read: a big model's other
+    # weights stay on disk.
     try:
-        return _matmul_operands(node, _Constants(graph))
-    except _Ineligible:
+        if node.op_type == "MatMul":
+            plan = plan_matmul(node, fp32.scope, lambda _: None)
+        else:
+            plan = plan_gemm(node, fp32.scope)
+    except Ineligible:
         return None
+    return plan.w, plan.bias
 
 
 def check_layer(

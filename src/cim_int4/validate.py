@@ -182,19 +182,63 @@ def compared_tensors(int4: onnx.ModelProto, extra: str | None = None, all_tensor
         if not is_int4(node) and all(i in constant for i in node.input if i):
             constant.update(node.output)
     names = []
+    consumers = _consumers(int4.graph)
     for node in int4.graph.node:
         for i, out in enumerate(node.output):
             if not out:
                 continue
-            if (
-                (is_int4(node) and i == 0)
-                or out in outputs
+            if is_int4(node) and i == 0:
+                names.append(original_output(node, consumers))
+            elif (
+                out in outputs
                 or (all_tensors and out not in constant)
                 or (pattern is not None and pattern.fullmatch(out))
             ):
                 names.append(out)
     names += [o for o in outputs if o not in names]  # outputs that are inputs or initializers
     return list(dict.fromkeys(names))
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def original_output(node: onnx.NodeProto, consumers: Mapping[str, list[onnx.NodeProto]]) -> str:
+    """The tensor a CimInt4MatMul's output becomes after the exporter's steps (Cast back, Unsqueeze, bias Add).
+
+    The exporter names those steps "<node name>/..." and the last one writes the output of
+    the MatMul/Gemm it replaced, which the FP32 model has too.
+    """
+    out = node.output[0]
+    while len(consumers.get(out, [])) == 1 and consumers[out][0].name.startswith(f"{node.name}/"):
+        out = consumers[out][0].output[0]
+    return out
+
+
+def _input_steps(
+    producers: Mapping[str, onnx.NodeProto], name: str, known: set[str]
+) -> tuple[str, list[onnx.NodeProto]] | None:
+    """The FP32 model's tensor behind a layer input, and the exporter's Casts/Transposes in between."""
+    steps = []
+    while name not in known:
+        node = producers.get(name)
+        if node is None or node.op_type not in ("Cast", "Transpose"):
+            return None
+        steps.append(node)
+        name = node.input[0]
+    return name, steps[::-1]
+
+
+def _apply_steps(x: np.ndarray, steps: list[onnx.NodeProto]) -> np.ndarray:
+    for node in steps:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        # The exporter casts a layer input only to float32, the op's input type.
+        x = np.asarray(x, np.float32) if node.op_type == "Cast" else np.transpose(x, perm)
+    return x
 
 
 # ---------------------------------------------------------------- the comparison
@@ -239,14 +283,18 @@ def compare(
 
     names = compared_tensors(int4.proto, extra, all_tensors)
     produced = {o for n in fp32.proto.graph.node for o in n.output} | {i.name for i in fp32.proto.graph.input}
+    if all_tensors:  # the exporter's own intermediates (an fp16 model's Casts, ...) have no FP32 twin
+        names = [n for n in names if n in produced]
     missing = [n for n in names if n not in produced]
     if missing:
         raise CompareError(f"tensors {missing[:5]} of the INT4 model do not exist in the FP32 model")
     layers = [n for n in int4.proto.graph.node if is_int4(n)]
-    layer_inputs = [n.input[0] for n in layers if n.input[0] not in feeds]
-    missing = [n for n in layer_inputs if n not in produced]
+    int4_producers = {o: n for n in int4.proto.graph.node for o in n.output}
+    steps = {n.output[0]: _input_steps(int4_producers, n.input[0], produced | set(feeds)) for n in layers}
+    missing = [n.input[0] for n in layers if steps[n.output[0]] is None]
     if missing:
         raise CompareError(f"inputs {missing[:5]} of CimInt4MatMul nodes do not exist in the FP32 model")
+    layer_inputs = [s[0] for s in steps.values() if s is not None and s[0] not in feeds]
     wanted = list(dict.fromkeys(names + layer_inputs))
 
     try:
@@ -259,19 +307,21 @@ def compare(
     ref.update({k: v for k, v in feeds.items() if k in wanted})
 
     producers = {o: n for n in fp32.proto.graph.node for o in n.output}
-    checks = {
-        n.output[0]: check_layer(
+    consumers = _consumers(int4.proto.graph)
+    checks = {}
+    for n in layers:
+        source, before = steps[n.output[0]]
+        out = original_output(n, consumers)
+        checks[out] = check_layer(
             int4,
             n,
-            ref.get(n.input[0], feeds.get(n.input[0])),
+            _apply_steps(ref[source] if source in ref else feeds[source], before),
             threads,
             fp32,
-            producers.get(n.output[0]),
-            ref.get(n.output[0]),
+            producers.get(out),
+            ref.get(out) if out == n.output[0] else None,  # after a Cast or Add it is another tensor
             compute,
         )
-        for n in layers
-    }
 
     try:
         sess = make_session(int4.with_outputs(names), threads=threads, config=int4.config() | compute_config(compute))

@@ -85,7 +85,11 @@ struct KernelTable {
 
 // The portable C++ kernels: the scalar oracle beside every SIMD path.
 const KernelTable& portable_kernels();
-// int8 mode's quantization of A, shared by every table (it is O(M K), the matmul O(M K N)).
+// int8 mode's quantization of A: the portable routine, and that of one group of `len`
+// values (len <= group_size; q gets group_size entries, zero past len), which the SIMD
+// routines fall back to for short, non-finite or tiny groups.
+void quantize_group_portable(const float* a, int64_t len, int64_t group_size, int8_t* q, float* scale,
+                             int32_t* zsum);
 void quantize_a_portable(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
                          float* scale, int32_t* zsum);
 

@@ -8,7 +8,7 @@ namespace cim {
 
 const KernelTable& avx2_kernels() {
   using K = TileKernels<Avx2<false>>;
-  static const KernelTable table{"avx2", K::matmul_fp32, K::matmul_int8, quantize_a_portable};
+  static const KernelTable table{"avx2", K::matmul_fp32, K::matmul_int8, K::quantize_a};
   return table;
 }
 

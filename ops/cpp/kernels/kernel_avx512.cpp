@@ -8,7 +8,7 @@ namespace cim {
 
 const KernelTable& avx512_kernels() {
   using K = TileKernels<Avx512<false>>;
-  static const KernelTable table{"avx512", K::matmul_fp32, K::matmul_int8, quantize_a_portable};
+  static const KernelTable table{"avx512", K::matmul_fp32, K::matmul_int8, K::quantize_a};
   return table;
 }
 

@@ -8,7 +8,7 @@ namespace cim {
 
 const KernelTable& avx512_vnni_kernels() {
   using K = TileKernels<Avx512<true>>;
-  static const KernelTable table{"avx512_vnni", K::matmul_fp32, K::matmul_int8, quantize_a_portable};
+  static const KernelTable table{"avx512_vnni", K::matmul_fp32, K::matmul_int8, K::quantize_a};
   return table;
 }
 

@@ -82,36 +82,40 @@ void matmul_int8_portable(const MatMulArgs& args, int64_t tile_begin, int64_t ti
 
 }  // namespace
 
+void quantize_group_portable(const float* a, int64_t len, int64_t group_size, int8_t* q, float* scale,
+                             int32_t* zsum) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    const float x = std::fabs(read_float(a + j));
+    if (std::isnan(x) || x > amax) amax = x;  // NaN wins: the group's output must not look finite
+    if (std::isnan(x)) break;
+  }
+  const float inv = 127.0f / amax;
+  int32_t sum = 0;
+  std::memset(q, 0, static_cast<size_t>(group_size));
+  if (!std::isfinite(amax)) {
+    *scale = amax;  // inf or NaN: the output is recomputed exactly
+  } else if (amax == 0.0f || !std::isfinite(inv)) {
+    *scale = 0.0f;  // zero, or below 127 / FLT_MAX: counts as zero
+  } else {
+    for (int64_t j = 0; j < len; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(read_float(a + j) * inv));
+      sum += q[j];
+    }
+    *scale = amax / 127.0f;
+  }
+  *zsum = -8 * sum;
+}
+
 void quantize_a_portable(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
                          float* scale, int32_t* zsum) {
   const int64_t groups = (K + group_size - 1) / group_size;
   for (int64_t m = 0; m < M; ++m) {
-    const float* a = A + m * lda;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t k0 = g * group_size;
       const int64_t len = k0 + group_size <= K ? group_size : K - k0;
-      int8_t* qg = q + m * groups * group_size + k0;
-      float amax = 0.0f;
-      for (int64_t j = 0; j < len; ++j) {
-        const float x = std::fabs(read_float(a + k0 + j));
-        if (std::isnan(x) || x > amax) amax = x;  // NaN wins: the group's output must not look finite
-        if (std::isnan(x)) break;
-      }
-      const float inv = 127.0f / amax;
-      int32_t sum = 0;
-      std::memset(qg, 0, static_cast<size_t>(group_size));
-      if (!std::isfinite(amax)) {
-        scale[m * groups + g] = amax;  // inf or NaN: the output is recomputed exactly
-      } else if (amax == 0.0f || !std::isfinite(inv)) {
-        scale[m * groups + g] = 0.0f;  // zero, or below 127 / FLT_MAX: counts as zero
-      } else {
-        for (int64_t j = 0; j < len; ++j) {
-          qg[j] = static_cast<int8_t>(std::nearbyint(read_float(a + k0 + j) * inv));
-          sum += qg[j];
-        }
-        scale[m * groups + g] = amax / 127.0f;
-      }
-      zsum[m * groups + g] = -8 * sum;
+      quantize_group_portable(A + m * lda + k0, len, group_size, q + (m * groups + g) * group_size,
+                              scale + m * groups + g, zsum + m * groups + g);
     }
   }
 }

@@ -30,6 +30,29 @@ struct Avx2 {
   static I loadi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
 
+  // For int8 mode's quantization of A.
+  static F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static bool all_finite(F x) {  // no inf, no NaN: |x| <= FLT_MAX (false for NaN)
+    return _mm256_movemask_ps(_mm256_cmp_ps(abs(x), _mm256_set1_ps(3.40282347e38f), _CMP_LE_OQ)) == 0xFF;
+  }
+  static float reduce_max(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static I round_i32(F x) { return _mm256_cvtps_epi32(x); }
+  static void store_i8(int8_t* p, I x) {  // |x| <= 127: the saturating packs are exact
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  static I add_i32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static int32_t reduce_add_i32(I x) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+  }
+
   // Code j (0..7) of each lane as the float c - 8 (no 16-entry vpermps on AVX2:
   // shift, mask, convert, subtract; all exact).
   template <int J>

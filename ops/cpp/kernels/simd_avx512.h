@@ -36,6 +36,18 @@ struct Avx512 {
   static I loadi(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
 
+  // For int8 mode's quantization of A.
+  static F abs(F x) { return _mm512_abs_ps(x); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static bool all_finite(F x) {  // no inf, no NaN: |x| <= FLT_MAX (false for NaN)
+    return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(3.40282347e38f), _CMP_LE_OQ) == 0xFFFF;
+  }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+  static I round_i32(F x) { return _mm512_cvtps_epi32(x); }
+  static void store_i8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static I add_i32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static int32_t reduce_add_i32(I x) { return _mm512_reduce_add_epi32(x); }
+
   // Code j (0..7) of each lane's 8 as the float c - 8: the nibble at bit 8j (j < 4) or
   // 8(j-4) + 4 shifted down, then vpermps, which reads only bits 3:0 of each index,
   // looks it up in the table {-8, ..., 7}: no mask, no convert.

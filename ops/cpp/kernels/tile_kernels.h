@@ -300,6 +300,51 @@ struct TileKernels {
     }
   }
 
+  // int8 mode's A, the same bits as quantize_a_portable: |a| maxima are exact in any
+  // order, q = cvtps2dq(a * inv) rounds half to even like nearbyint (ORT keeps MXCSR's
+  // default). Groups that are short, hold a NaN or an inf, or are all zero or tiny take
+  // the portable routine.
+  static void quantize_a(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
+                         float* scale, int32_t* zsum) {
+    const int64_t groups = (K + group_size - 1) / group_size;
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* a = A + m * lda + g * group_size;
+        const int64_t len = g * group_size + group_size <= K ? group_size : K - g * group_size;
+        int8_t* qg = q + (m * groups + g) * group_size;
+        float* sg = scale + m * groups + g;
+        int32_t* zg = zsum + m * groups + g;
+        if (len == group_size && quantize_group(a, group_size, qg, sg, zg)) continue;
+        quantize_group_portable(a, len, group_size, qg, sg, zg);
+      }
+    }
+  }
+
+  // One full group (a multiple of the vector width); false when the portable routine must decide.
+  static CIM_INLINE bool quantize_group(const float* a, int64_t len, int8_t* q, float* scale, int32_t* zsum) {
+    F amax_v = S::zero();
+    bool finite = true;
+    for (int64_t j = 0; j < len; j += S::kLanes) {
+      const F x = S::load(a + j);
+      finite = finite && S::all_finite(x);
+      amax_v = S::max(amax_v, S::abs(x));
+    }
+    if (!finite) return false;
+    const float amax = S::reduce_max(amax_v);
+    const float inv = 127.0f / amax;
+    if (amax == 0.0f || !(inv <= 3.4e38f)) return false;
+    const F inv_v = S::set1(inv);
+    I sum = S::set1_i32(0);
+    for (int64_t j = 0; j < len; j += S::kLanes) {
+      const I qi = S::round_i32(S::mul(S::load(a + j), inv_v));
+      S::store_i8(q + j, qi);
+      sum = S::add_i32(sum, qi);
+    }
+    *scale = amax / 127.0f;
+    *zsum = -8 * S::reduce_add_i32(sum);
+    return true;
+  }
+
   static void matmul_fp32(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     matmul<false>(args, tile_begin, tile_end);
   }
