@@ -18,8 +18,11 @@ constexpr int64_t kCodeRowBytes = 64;
 // Weights in the library's own layout, made once at kernel creation by repack().
 //
 // Output channels come in tiles of kTileN = 16 (the last tile padded with channels of
-// scale 0 and code 8). The whole matrix is one sequential stream, tile after tile,
-// and within a tile group after group. One (tile, group) block is `block_bytes`:
+// scale 0 and code 8), tiles in strips of kStripTiles = 4 (64 channels; the last strip
+// may hold fewer). The whole matrix is one sequential stream, strip after strip; within
+// a strip group after group, and within a group the strip's tiles in order, so decode,
+// which runs a strip's tiles side by side, reads one stream front to back. One
+// (tile, group) block is `block_bytes`:
 //
 //   group_size / 8 code rows of 64 bytes, then the tile's 16 float32 scales (64 bytes)
 //
@@ -32,6 +35,8 @@ constexpr int64_t kCodeRowBytes = 64;
 // lane c's code j sits at bit 8b (j = b) or 8b + 4 (j = 4 + b).
 // Codes are q + 8 in 0..15; K is padded to groups * group_size with code 8 (q = 0).
 // No other padding: the stream is (tiles * groups * block_bytes) bytes.
+constexpr int64_t kStripTiles = 4;
+
 struct PackedWeights {
   int64_t K = 0;
   int64_t N = 0;
@@ -43,7 +48,9 @@ struct PackedWeights {
   const float* bias = nullptr;  // [tiles * 16] (zero past N) or nullptr
 
   const uint8_t* block(int64_t tile, int64_t group) const {
-    return stream + (tile * groups + group) * block_bytes;
+    const int64_t strip0 = tile / kStripTiles * kStripTiles;
+    const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
+    return stream + (strip0 * groups + group * width + (tile - strip0)) * block_bytes;
   }
 };
 

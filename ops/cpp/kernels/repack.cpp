@@ -1,5 +1,7 @@
 #include "kernels/repack.h"
 
+#include <sys/mman.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +18,22 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 void* aligned_bytes(int64_t bytes) {
   void* p = std::aligned_alloc(kAlign, static_cast<size_t>(round_up(bytes > 0 ? bytes : 1, kAlign)));
   if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+// The weight stream: decode reads it once per call, front to back, at DRAM speed. On 4 KiB
+// pages that is a TLB miss every 64 cache lines, and hardware prefetchers stop at each
+// page; a stream of several MiB starts on a 2 MiB boundary and asks for transparent huge
+// pages (only whole 2 MiB pages inside it become huge: no memory is added).
+constexpr int64_t kHugePage = int64_t(1) << 21;
+
+void* stream_bytes(int64_t bytes) {
+  if (bytes < 2 * kHugePage) return aligned_bytes(bytes);
+  void* p = std::aligned_alloc(kHugePage, static_cast<size_t>(round_up(bytes, kAlign)));
+  if (p == nullptr) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+  madvise(p, static_cast<size_t>(bytes / kHugePage * kHugePage), MADV_HUGEPAGE);  // advice only: ignore failure
+#endif
   return p;
 }
 
@@ -82,11 +100,13 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
   const int64_t rows_per_group = group_size / 8;
   const int64_t block_bytes = rows_per_group * kCodeRowBytes + kTileN * int64_t(sizeof(float));
   stream_bytes_ = tiles * groups * block_bytes;
-  stream_.reset(static_cast<uint8_t*>(aligned_bytes(stream_bytes_)));
+  stream_.reset(static_cast<uint8_t*>(stream_bytes(stream_bytes_)));
 
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* block = stream_.get() + (t * groups + g) * block_bytes;
+      const int64_t strip0 = t / kStripTiles * kStripTiles;
+      const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
+      uint8_t* block = stream_.get() + (strip0 * groups + g * width + (t - strip0)) * block_bytes;
       float* block_scales = reinterpret_cast<float*>(block + rows_per_group * kCodeRowBytes);
       for (int64_t c = 0; c < kTileN; ++c) {
         const int64_t n = t * kTileN + c;

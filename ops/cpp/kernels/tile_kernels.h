@@ -13,7 +13,7 @@
 //   fp32: per group  t = fma(a_k, c_k - 8, t) for k in order;  acc = fma(t, scale, acc)
 //   int8: per group  d = zsum + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
 // Loops, outer to inner:
-//   decode (M = 1): kDecodeTiles tiles side by side (independent FMA / vpdpbusd
+//   decode (M = 1): the 4 tiles of a strip side by side (independent FMA / vpdpbusd
 //     chains hide their latency), the stream read once, front to back.
 //   prefill (M > 1): blocks of kPrefillK codes (A's part stays in L2), of
 //     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows rows of A (in
@@ -64,23 +64,16 @@ struct TileKernels {
     for (int i = 0; i < NT; ++i) blk[i] = w.block(t0 + i, g);
   }
 
-  // Software prefetch of each tile's block kPrefetchGroups groups ahead. The loops do
-  // many operations per byte in fp32 mode, so the out-of-order window alone holds
-  // too few cache misses to stream from DRAM at full speed. Past a tile's last group
-  // this is the next tile's start (the stream is sequential); past the end of the
+  // Software prefetch kPrefetchBytes ahead in the stream, the span of the NT blocks just
+  // read. The loops do several operations per byte, so the out-of-order window alone
+  // holds too few cache misses to stream from DRAM at full speed. Past the end of the
   // stream a prefetch touches nothing (prefetches never fault).
-  #ifndef CIM_PFG
-#define CIM_PFG 4
-#endif
-  static constexpr int64_t kPrefetchGroups = CIM_PFG;
+  static constexpr int64_t kPrefetchBytes = 6144;
   template <int NT>
   static CIM_INLINE void prefetch_ahead(const PackedWeights& w, const uint8_t* const (&blk)[NT]) {
-    const uintptr_t ahead = static_cast<uintptr_t>(kPrefetchGroups * w.block_bytes);
-    for (int i = 0; i < NT; ++i) {
-      const uintptr_t base = reinterpret_cast<uintptr_t>(blk[i]) + ahead;
-      for (int64_t off = 0; off < w.block_bytes; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
-      }
+    const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(kPrefetchBytes);
+    for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
     }
   }
 
@@ -210,9 +203,7 @@ struct TileKernels {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
-#ifdef CIM_PF_INT8
       prefetch_ahead<NT>(w, blk);
-#endif
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
         const I z = S::set1_i32(qa.zsum[(m0 + r) * w.groups + g]);
