@@ -1,13 +1,27 @@
 """FP32 ONNX model -> CimInt4MatMul model."""
 
 from .api import ExportError, NothingToQuantize, export_int4, export_with_summary, load_model, save_model
-from .quantize import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, QuantizedWeight, pack, quantize, quantize_weight
+from .options import DEFAULT_COMPUTE, ExportOptions
+from .quantize import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_RULE,
+    SUPPORTED_GROUP_SIZES,
+    QuantizedWeight,
+    pack,
+    quantize,
+    quantize_weight,
+)
 from .rewrite import ExportSummary, Rewritten, Skipped, rewrite_model
+from .scale_rules import SCALE_RULES
 
 __all__ = [
+    "DEFAULT_COMPUTE",
     "DEFAULT_GROUP_SIZE",
+    "DEFAULT_SCALE_RULE",
+    "SCALE_RULES",
     "SUPPORTED_GROUP_SIZES",
     "ExportError",
+    "ExportOptions",
     "ExportSummary",
     "NothingToQuantize",
     "QuantizedWeight",

@@ -13,7 +13,10 @@ from onnx import helper
 from ..ops.names import OP_DOMAIN, OP_TYPE
 from . import io
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
+from .options import DEFAULT_COMPUTE, ExportOptions
+from .quantize import DEFAULT_SCALE_RULE
 from .rewrite import ExportSummary, rewrite_model
+from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
 from .simplify import simplify_model
 
 ModelSource = str | os.PathLike | onnx.ModelProto
@@ -106,16 +109,24 @@ def export_int4(
     group_size: int = 32,
     exclude: Iterable[str] = (),
     min_size: int = 0,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    compute: str = DEFAULT_COMPUTE,
+    feeds: str | os.PathLike | Feeds | None = None,
+    target_cosine: float = DEFAULT_TARGET_COSINE,
     quiet: bool = False,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
-    ``fold_input_initializers``: see rewrite_model; ``simplify`` runs onnxsim first (extra ``simplify``).
-    From a path (without ``simplify``), weights are read one at a time and the output is
-    written as it goes, so memory stays well under the model's size. When the output has external data, the
-    returned model refers to ``<output>.data`` (load it from ``output`` to get it whole).
+    ``scale_rule``: one of SCALE_RULES (see exporter.scale_rules); ``compute``: the
+    ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
+    a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
+    ``target_cosine`` on them (see exporter.sensitivity).
+    ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
+    From a path (without ``simplify`` or ``feeds``), weights are read one at a time and the
+    output is written as it goes, so memory stays well under the model's size. When the output
+    has external data, the returned model refers to ``<output>.data`` (load it from ``output``).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that would touch a file the input reads, ValueError for a bad option.
     """
@@ -123,11 +134,15 @@ def export_int4(
         "group_size": group_size,
         "exclude": exclude,
         "min_size": min_size,
+        "scale_rule": scale_rule,
+        "compute": compute,
+        "feeds": feeds,
+        "target_cosine": target_cosine,
         "fold_input_initializers": fold_input_initializers,
         "simplify": simplify,
     }
-    if isinstance(model, onnx.ModelProto) or simplify:
-        # onnxsim needs the whole model in memory: a simplified export does not stream.
+    if isinstance(model, onnx.ModelProto) or simplify or feeds is not None:
+        # onnxsim and the sensitivity analysis need the whole model in memory: those exports do not stream.
         if not isinstance(model, onnx.ModelProto):
             if output is not None:
                 check_output_path(model, output)
@@ -179,6 +194,10 @@ def export_with_summary(
     group_size: int = 32,
     exclude: Iterable[str] = (),
     min_size: int = 0,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    compute: str = DEFAULT_COMPUTE,
+    feeds: str | os.PathLike | Feeds | None = None,
+    target_cosine: float = DEFAULT_TARGET_COSINE,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
@@ -189,6 +208,10 @@ def export_with_summary(
         group_size=group_size,
         exclude=exclude,
         min_size=min_size,
+        scale_rule=scale_rule,
+        compute=compute,
+        feeds=feeds,
+        target_cosine=target_cosine,
         fold_input_initializers=fold_input_initializers,
         simplify=simplify,
     )
@@ -201,23 +224,31 @@ def _export(
     group_size: int,
     exclude: Iterable[str],
     min_size: int,
-    fold_input_initializers: bool | None = None,
-    simplify: bool = False,
+    scale_rule: str,
+    compute: str,
+    feeds: str | os.PathLike | Feeds | None,
+    target_cosine: float,
+    fold_input_initializers: bool | None,
+    simplify: bool,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
+    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers)
     note = None
     if simplify:
         model, note = simplify_model(model)
-    quantized, summary = rewrite_model(
-        model,
-        group_size=group_size,
-        exclude=list(exclude),
-        min_size=min_size,
-        fold_input_initializers=fold_input_initializers,
-        tensors=tensors,
-    )
+    if feeds is None:
+        quantized, summary = rewrite_model(model, options, tensors=tensors)
+    else:
+        quantized, summary = export_mixed(model, feeds, target_cosine, options)
     if note:
         summary.warnings.insert(0, note)
     if not summary.rewritten:
+        mixed = summary.mixed_precision
+        if mixed is not None and mixed.layers:
+            least = max(mixed.layers, key=lambda x: x.cosine_alone)
+            raise ExportError(
+                f"target cosine {target_cosine} needs every layer in FP32: even {least.name!r} alone in INT4 "
+                f"gives {least.cosine_alone:.6f}; lower --target-cosine or check the calibration inputs"
+            )
         raise NothingToQuantize(summary, _int4_nodes(model))
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnx
@@ -14,8 +14,15 @@ from onnx import helper, numpy_helper
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
-from .quantize import QuantizedWeight, check_group_size, quantize_weight
+from .options import ExportOptions
+from .quantize import QuantizedWeight, quantize_weight
 from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_domain
+
+if TYPE_CHECKING:
+    from .sensitivity import MixedPrecision
+
+# Probe weights (see probe_model) are named from this prefix.
+_PROBE_PREFIX = "cim_int4.probe."
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,13 @@ class ExportSummary:
     """What the rewrite did: nodes rewritten and skipped, weight bytes before and after, warnings."""
 
     group_size: int
+    scale_rule: str
+    compute: str
     rewritten: list[Rewritten] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
+    mixed_precision: MixedPrecision | None = None
 
     @property
     def bytes_before(self) -> int:
@@ -62,8 +73,8 @@ class ExportSummary:
     def format(self) -> str:
         """A human-readable report, one line per node."""
         lines = [
-            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}), "
-            f"{len(self.skipped)} skipped"
+            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}, "
+            f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
         ]
         for r in self.rewritten:
             notes = f" ({r.notes})" if r.notes else ""
@@ -73,16 +84,10 @@ class ExportSummary:
         if self.rewritten:
             ratio = self.bytes_before / max(self.bytes_after, 1)
             lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
+        if self.mixed_precision is not None:
+            lines.append(self.mixed_precision.format())
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)
-
-
-class TensorIO(Protocol):
-    """Where tensor bytes live: ``read`` a constant as an array, ``write`` a new attribute tensor (may move it out)."""
-
-    def read(self, tensor: onnx.TensorProto) -> np.ndarray: ...
-
-    def write(self, tensor: onnx.TensorProto) -> None: ...
 
 
 def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | None:
@@ -116,26 +121,64 @@ def drop_stray_imports(model: onnx.ModelProto) -> list[str]:
     return [f"ignored opset import {OP_DOMAIN!r} v{o.version}: no node uses it (dropped)" for o in stray]
 
 
+class TensorIO(Protocol):
+    """Where tensor bytes live: ``read`` a constant as an array, ``write`` a new attribute tensor (may move it out)."""
+
+    def read(self, tensor: onnx.TensorProto) -> np.ndarray: ...
+
+    def write(self, tensor: onnx.TensorProto) -> None: ...
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An eligible MatMul/Gemm of a probe model: its key, probe weight name, weight [K, N] and bias [N] (or None)."""
+
+    key: str  # subgraph path + label, as in the summary; unique in the model
+    weight_name: str
+    w: np.ndarray
+    bias: np.ndarray | None
+
+
+def _patterns(exclude: tuple[str, ...]) -> list[tuple[str, re.Pattern[str]]]:
+    patterns = []
+    for text in exclude:
+        try:
+            patterns.append((text, re.compile(text)))
+        except re.error as e:
+            raise ValueError(f"exclude pattern {text!r} is not a valid regular expression: {e}") from e
+    return patterns
+
+
 class _Rewriter:
-    """One rewrite of one model: walks every graph, plans each MatMul/Gemm, emits the replacement nodes."""
+    """One rewrite of one model: walks every graph, plans each MatMul/Gemm, emits the replacement nodes.
+
+    A probe rewrite (``probe=True``) emits ``MatMul(x, W) [+ bias]`` instead of CimInt4MatMul,
+    W an overridable main-graph initializer per node: the sensitivity analysis feeds INT4 weights there.
+    """
 
     def __init__(
         self,
         model: onnx.ModelProto,
-        group_size: int,
-        patterns: list,
-        min_size: int,
-        fold_inputs: bool,
+        options: ExportOptions,
+        keep: Mapping[str, str],
+        quantized: Mapping[str, QuantizedWeight],
+        probe: bool,
         tensors: TensorIO | None = None,
     ):
         self.model = model
         self.tensors = tensors
-        self.group_size = group_size
-        self.patterns = patterns
-        self.min_size = min_size
-        self.fold_inputs = fold_inputs
+        self.options = options
+        self.group_size = options.group_size
+        self.patterns = _patterns(options.exclude)
+        self.min_size = options.min_size
+        self.fold_inputs = options.fold_input_initializers is not False
+        self.keep = keep
+        self.quantized = quantized
+        self.probe = probe
+        self.candidates: list[Candidate] = []
+        self.probe_weights: list[onnx.TensorProto] = []
         self.opset = _default_opset(model)
-        self.summary = ExportSummary(group_size=group_size)
+        self.summary = ExportSummary(options.group_size, options.scale_rule, options.compute)
         self.names = defined_names(model.graph)
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
@@ -202,9 +245,17 @@ class _Rewriter:
             except Ineligible as why:
                 self.summary.skipped.append(Skipped(label, node.op_type, str(why), path))
                 continue
-            qw = quantize_weight(plan.w, self.group_size)
-            replaced[index] = self.emit(node, plan, qw, casts, initializers)
+            key = f"{path}{label}"
+            if key in self.keep:
+                self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
+                continue
+            qw = None
+            if not self.probe:
+                qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
+            replaced[index] = self.emit(node, plan, key, qw, casts, initializers)
             self.folded.update(plan.sources)
+            if qw is None:
+                continue
             after = qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
             self.summary.rewritten.append(
                 Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
@@ -241,7 +292,8 @@ class _Rewriter:
         self,
         node: onnx.NodeProto,
         plan: Plan,
-        qw: QuantizedWeight,
+        key: str,
+        qw: QuantizedWeight | None,
         casts: dict[str, str],
         initializers: list[onnx.TensorProto],
     ) -> list[onnx.NodeProto]:
@@ -275,69 +327,109 @@ class _Rewriter:
         if plan.add is not None:
             steps.append(("Add", [self._scaled_c(base, plan, nodes, initializers)], {}))
 
-        attrs = {
-            "K": qw.k,
-            "N": qw.n,
-            "group_size": qw.group_size,
-            "packed": numpy_helper.from_array(qw.packed, "packed"),
-            "scales": numpy_helper.from_array(qw.scales, "scales"),
-        }
-        if plan.bias is not None:
-            attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
         y = node.output[0]
         out = self.fresh(f"{y}/{OP_TYPE}") if steps else y
-        op = helper.make_node(OP_TYPE, [x], [out], name=base, domain=OP_DOMAIN, **attrs)
-        if self.tensors is not None:
-            for a in op.attribute:
-                if a.type == onnx.AttributeProto.TENSOR:
-                    self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
-        nodes.append(op)
+        if qw is None:
+            nodes.extend(self._probe_core(base, key, x, out, plan, initializers))
+        else:
+            attrs = {
+                "K": qw.k,
+                "N": qw.n,
+                "group_size": qw.group_size,
+                "packed": numpy_helper.from_array(qw.packed, "packed"),
+                "scales": numpy_helper.from_array(qw.scales, "scales"),
+                "compute": self.options.compute,
+            }
+            if plan.bias is not None:
+                attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
+            op = helper.make_node(OP_TYPE, [x], [out], name=base, domain=OP_DOMAIN, **attrs)
+            if self.tensors is not None:
+                for a in op.attribute:
+                    if a.type == onnx.AttributeProto.TENSOR:
+                        self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
+            nodes.append(op)
         for i, (op, extra, attributes) in enumerate(steps):
             nxt = y if i == len(steps) - 1 else self.fresh(f"{y}/{op.lower()}")
             nodes.append(helper.make_node(op, [out, *extra], [nxt], name=f"{base}/{op.lower()}", **attributes))
             out = nxt
         return nodes
 
+    def _probe_core(
+        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+    ) -> list[onnx.NodeProto]:
+        """``MatMul(x, W) [+ bias]`` in place of the op, W a new main-graph initializer (made overridable later)."""
+        w_name = self.fresh(f"{_PROBE_PREFIX}{len(self.candidates)}.weight")
+        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
+        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
+        if plan.bias is None:
+            return [helper.make_node("MatMul", [x, w_name], [out], name=base)]
+        b_name = self._constant(f"{w_name[: -len('weight')]}bias", plan.bias, initializers)
+        product = self.fresh(f"{out}/matmul")
+        return [
+            helper.make_node("MatMul", [x, w_name], [product], name=base),
+            helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias"),
+        ]
 
-def rewrite_model(
+
+def _rewrite(
     model: onnx.ModelProto,
-    group_size: int = 32,
-    exclude: Iterable[str] = (),
-    min_size: int = 0,
-    fold_input_initializers: bool | None = None,
+    options: ExportOptions,
+    keep: Mapping[str, str],
+    quantized: Mapping[str, QuantizedWeight],
+    probe: bool,
     tensors: TensorIO | None = None,
-) -> tuple[onnx.ModelProto, ExportSummary]:
-    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
-
-    ``fold_input_initializers``: initializers also listed as graph inputs are quantized with a
-    warning (None, the default), quantized silently (True) or left in FP32 (False). ``tensors``
-    reads weights held outside the proto and takes each new attribute tensor as it is made
-    (the exporter streams them to the output file); by default everything is inline.
-    """
-    check_group_size(group_size)
-    patterns = []
-    for text in exclude:
-        try:
-            patterns.append((text, re.compile(text)))
-        except re.error as e:
-            raise ValueError(f"exclude pattern {text!r} is not a valid regular expression: {e}") from e
+) -> tuple[onnx.ModelProto, _Rewriter]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     dropped = drop_stray_imports(out)
-    rewriter = _Rewriter(out, group_size, patterns, min_size, fold_input_initializers is not False, tensors)
+    rewriter = _Rewriter(out, options, keep, quantized, probe, tensors)
     summary = rewriter.summary
     summary.warnings.extend(dropped)
     rewriter.rewrite_graph(out.graph, None, "")
 
-    if summary.rewritten:
+    if rewriter.folded:
         folded_inputs = rewriter.folded & rewriter.overridable
         drop_unused(out.graph, rewriter.folded, folded_inputs)
-        if folded_inputs and fold_input_initializers is None:
+        if folded_inputs and options.fold_input_initializers is None:
             names = ", ".join(sorted(folded_inputs)[:3]) + (", ..." if len(folded_inputs) > 3 else "")
             summary.warnings.append(
                 f"quantized {len(folded_inputs)} initializer(s) also listed as graph inputs ({names}): feeding "
                 "them no longer changes the weights; fold_input_initializers=False keeps them FP32"
             )
-        if not any(o.domain == OP_DOMAIN for o in out.opset_import):
-            out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
-    return out, summary
+    if summary.rewritten and not any(o.domain == OP_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    return out, rewriter
+
+
+def rewrite_model(
+    model: onnx.ModelProto,
+    options: ExportOptions | None = None,
+    *,
+    keep: Mapping[str, str] | None = None,
+    quantized: Mapping[str, QuantizedWeight] | None = None,
+    tensors: TensorIO | None = None,
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
+
+    ``keep`` maps node keys (subgraph path + label, as in the summary) to leave in FP32 to the
+    reason the summary gives; ``quantized`` holds weights already quantized (by key) with the same options.
+    ``tensors`` reads weights held outside the proto and takes each new attribute tensor as it
+    is made (the exporter streams them to the output file); by default everything is inline.
+    """
+    out, rewriter = _rewrite(model, options or ExportOptions(), keep or {}, quantized or {}, False, tensors)
+    return out, rewriter.summary
+
+
+def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
+    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
+
+    Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
+    feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
+    """
+    out, rewriter = _rewrite(model, options, {}, {}, probe=True)
+    graph = out.graph
+    graph.initializer.extend(rewriter.probe_weights)
+    graph.input.extend(
+        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
+    )
+    return out, rewriter.candidates

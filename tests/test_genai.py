@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cim_int4.exporter import ExportError
+from cim_int4.exporter import DEFAULT_COMPUTE, ExportError
 from cim_int4.ops.library import LIBRARY_NAME
 from cim_int4.ops.names import OP_TYPE
 
@@ -69,7 +69,9 @@ def test_prepared_folder(name: str, folders: dict[str, Path]) -> None:
     assert not (folder / "model.onnx.data").exists(), "the converted weights are inline; the old data is not needed"
     assert (folder / "tokenizer.json").read_bytes() == (INT4 / "tokenizer.json").read_bytes()
     compute = {a.s for n in model.graph.node for a in n.attribute if a.name == "compute"}
-    assert compute == ({b"int8"} if name == "cim_auto" else set())
+    # The converter writes the attribute only for int8; the exporter writes it on every node.
+    expected = {"cim_fp32": set(), "cim_auto": {b"int8"}, "cim_export": {DEFAULT_COMPUTE.encode()}}
+    assert compute == expected[name]
 
 
 def test_converted_generates_like_matmulnbits_accuracy_level_0(folders: dict[str, Path]) -> None:

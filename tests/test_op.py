@@ -81,7 +81,7 @@ def test_extreme_codes_and_zero_scales(kernel: str, monkeypatch) -> None:
     k, n, g = 64, 9, 16
     w = np.where(np.arange(k * n).reshape(k, n) % 2 == 0, -1.0, 1.0).astype(np.float32)
     w[16:32] = 0.0
-    qw = quantize_weight(w, g)
+    qw = quantize_weight(w, g, "amax8")  # +-1 groups: -1 -> code 0, +1 -> 8 clamped to code 15
     codes = reference.unpack(qw.packed) + 8
     assert set(np.unique(codes)) == {0, 8, 15}
     a = np.random.default_rng(0).standard_normal((5, k), dtype=np.float32)

@@ -1,7 +1,8 @@
 """Nodes the exporter rewrites into more than one node, or finds in subgraphs.
 
 MatMuls in If/Loop/Scan bodies (nested), Gemm biases that stay an Add (scaled by beta),
-fp16/bf16 models behind Casts, and a stray opset import of our domain.
+fp16/bf16 models behind Casts, a stray opset import of our domain, and scale rules, the
+compute attribute and mixed precision on all of these.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cim_int4.exporter import export_with_summary
+from cim_int4.exporter import export_with_summary, quantize_weight
+from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
@@ -244,7 +246,8 @@ def test_opset_import_of_our_version_with_nodes_stays() -> None:
     twice, summary = export_with_summary(once)
     assert [r.name for r in summary.rewritten] == ["mm2"] and not summary.warnings
     assert [(o.domain, o.version) for o in twice.opset_import] == [("", 17), (OP_DOMAIN, OP_VERSION)]
-    assert numpy_helper.to_array(twice.graph.node[0].attribute[3].t).shape == (N, K // 2)
+    packed = next(a.t for a in twice.graph.node[0].attribute if a.name == "packed")
+    assert numpy_helper.to_array(packed).shape == (N, K // 2)
 
 
 def test_convert_drops_a_stray_opset_import_too() -> None:
@@ -253,3 +256,67 @@ def test_convert_drops_a_stray_opset_import_too() -> None:
     converted = from_matmulnbits(nbits)
     assert [o.version for o in converted.opset_import if o.domain == OP_DOMAIN] == [OP_VERSION]
     assert [n.op_type for n in converted.graph.node] == [OP_TYPE]
+
+
+# ---------------------------------------------------------------- 6. scale rules, compute and mixed precision
+
+
+def op_nodes(model: onnx.ModelProto) -> dict[str, dict]:
+    """Each CimInt4MatMul of every graph, by name: its attributes as Python values."""
+    return {
+        n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        for g in all_graphs(model.graph)
+        for n in g.node
+        if n.op_type == OP_TYPE
+    }
+
+
+@pytest.mark.parametrize("rule", ["amax8", "mse"])
+def test_subgraph_and_fp16_weights_use_the_scale_rule_and_compute(rule: str) -> None:
+    q, summary = export_with_summary(subgraph_model(), scale_rule=rule, compute="int8")
+    weights = {"mm": w(1, K, K), "scan_mm": w(1, K, K), "body_mm": w(2, K, K) / 8}
+    nodes = op_nodes(q)
+    assert sorted(nodes) == sorted(weights) and f"scale rule {rule}, compute int8" in summary.format()
+    for name, weight in weights.items():
+        want = quantize_weight(weight, 32, rule).scales
+        np.testing.assert_array_equal(numpy_helper.to_array(nodes[name]["scales"]), want)
+        assert nodes[name]["compute"] == b"int8"
+    wq = w(0, K, N, dtype=np.float16)
+    nodes_fp16 = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj")]
+    fp16 = model_of(nodes_fp16, [("x", ["M", K])], [("q", ["M", N])], [init("wq", wq)], elem=F16)
+    q16, _ = export_with_summary(fp16, scale_rule=rule)
+    want = quantize_weight(wq.astype(np.float32), 32, rule).scales
+    np.testing.assert_array_equal(numpy_helper.to_array(op_nodes(q16)["q_proj"]["scales"]), want)
+
+
+def test_mixed_precision_sees_subgraph_layers() -> None:
+    model = subgraph_model()
+    feeds = {"x": x(), "cond": np.array(True), "xs": x(4, 2, M, K)}
+    q, summary = export_with_summary(model, feeds=feeds, target_cosine=0.9999)
+    report = summary.mixed_precision
+    keys = {
+        "If 'cond_1'/then_branch/mm",
+        "If 'cond_1'/else_branch/Loop 'loop'/body/body_mm",
+        "Scan 'scan'/body/scan_mm",
+    }
+    assert {layer.name for layer in report.layers} == keys
+    body = next(layer for layer in report.layers if layer.name.endswith("body_mm"))
+    assert body.cosine_alone == pytest.approx(1.0, abs=1e-12) and not body.kept, "the else branch does not run"
+    kept = {s.path + s.name for s in summary.skipped}
+    assert kept == {layer.name for layer in report.layers if layer.kept} and kept
+    assert len(summary.rewritten) == 3 - len(kept)
+    assert report.cosine_exported == pytest.approx(report.cosine_probe, abs=1e-5) and report.cosine_probe >= 0.9999
+
+
+def test_mixed_precision_probe_runs_fp16_layers_behind_their_casts() -> None:
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj"),
+        helper.make_node("Gemm", ["q", "wk"], ["k"], name="k_proj", transB=1),
+    ]
+    inits = [init("wq", w(0, K, N, dtype=np.float16)), init("wk", w(1, N, N, dtype=np.float16))]
+    model = model_of(nodes, [("x", ["M", K])], [("k", ["M", N])], inits, elem=F16)
+    feeds = {"x": x(dtype=np.float16)}
+    _, summary = export_with_summary(model, feeds=feeds, target_cosine=0.5)
+    report = summary.mixed_precision
+    assert len(summary.rewritten) == 2 and report.cosine_all_int4 == report.cosine_probe
+    assert report.cosine_exported == pytest.approx(report.cosine_probe, abs=1e-3)

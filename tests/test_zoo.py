@@ -107,5 +107,5 @@ def test_accuracy_against_the_original_and_matmulnbits(result: tuple[str, ZooRes
     name, r = result
     assert r.cosine > 0.98, f"{name}: cosine {r.cosine:.5f} vs the unquantized model"
     if r.nbits_nodes == len(r.summary.rewritten):
-        # Same nodes quantized: within what the two scale rules differ by (ours clips +max|w| to 7 steps).
-        assert r.cosine > r.nbits_cosine - 5e-3, f"{name}: cosine {r.cosine:.5f}, MatMulNBits {r.nbits_cosine:.5f}"
+        # Same nodes quantized: the default rule (balanced) is at least MatMulNBits' (signed) on every zoo model.
+        assert r.cosine > r.nbits_cosine - 1e-4, f"{name}: cosine {r.cosine:.5f}, MatMulNBits {r.nbits_cosine:.5f}"

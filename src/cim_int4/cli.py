@@ -7,18 +7,35 @@ import sys
 
 import onnx
 
-from .exporter import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, ExportError, NothingToQuantize, export_int4
+from .exporter import (
+    DEFAULT_COMPUTE,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SCALE_RULE,
+    SCALE_RULES,
+    SUPPORTED_GROUP_SIZES,
+    ExportError,
+    NothingToQuantize,
+    export_int4,
+)
+from .exporter.sensitivity import DEFAULT_TARGET_COSINE
+from .ops.reference import COMPUTE_MODES
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.target_cosine is not None and args.feeds is None:
+        raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
     export_int4(
         args.model,
         args.output,
         group_size=args.group_size,
         exclude=args.exclude,
         min_size=args.min_size,
+        scale_rule=args.scale_rule,
+        compute=args.compute,
+        feeds=args.feeds,
+        target_cosine=DEFAULT_TARGET_COSINE if args.target_cosine is None else args.target_cosine,
         quiet=args.quiet,
         fold_input_initializers=args.fold_input_initializers,
         simplify=args.simplify,
@@ -157,6 +174,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="node names (or regular expressions matching whole names) to leave in FP32; may be repeated",
     )
     p.add_argument("--min-size", type=int, default=0, metavar="N", help="skip weights with fewer than N elements")
+    p.add_argument(
+        "--scale-rule",
+        choices=SCALE_RULES,
+        default=DEFAULT_SCALE_RULE,
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}; README 'Accuracy')",
+    )
+    p.add_argument(
+        "--compute",
+        choices=COMPUTE_MODES,
+        default=DEFAULT_COMPUTE,
+        help=f"the nodes' compute mode: fp32 or int8 activations (default {DEFAULT_COMPUTE})",
+    )
+    p.add_argument(
+        "--feeds",
+        metavar="DATA.npz",
+        help="calibration inputs (arrays keyed by input name): keep the most sensitive layers FP32",
+    )
+    p.add_argument(
+        "--target-cosine",
+        type=float,
+        metavar="C",
+        help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE})",
+    )
     p.add_argument(
         "--fold-input-initializers",
         action=argparse.BooleanOptionalAction,
