@@ -4,7 +4,6 @@
 #include <onnxruntime_c_api.h>
 
 #include <malloc.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/kernel.h"
@@ -228,14 +228,17 @@ std::string session_config_entry(const OrtKernelInfo* info, const char* key) {
   return value != nullptr ? std::string(value) : std::string();
 }
 
-// CPUs this process may run on: how many contiguous ranges a call is split into. ORT's
-// pool runs them; with fewer pool threads some run one after the other, which costs
-// nothing, and no two ranges share a cache line of Y.
-int64_t cpu_count() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return std::max(1, CPU_COUNT(&set));
+// How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
+// pool, which the C API does not tell a kernel. When the session pins its pool
+// (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
+// readable from C API 24), that count; else the machine's CPUs (not the calling thread's
+// affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
+// on a smaller pool run one after another and cost nothing; no two ranges share a cache
+// line of Y.
+int64_t parallel_ranges(const OrtKernelInfo* info) {
+  const std::string affinities = session_config_entry(info, "session.intra_op_thread_affinities");
+  if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
+  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 // A buffer reused across calls (grows, never shrinks), 64-byte aligned.
@@ -318,7 +321,7 @@ class Kernel {
       attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
                  available + " (or auto)");
     }
-    ranges_ = cpu_count();
+    ranges_ = parallel_ranges(info);
   }
 
   void compute(OrtKernelContext* context) const {
