@@ -1,6 +1,6 @@
 """Accuracy of the two compute modes: the README's table behind the default ``compute``.
 
-    .venv/bin/python tests/models/compute_modes.py [--markdown]
+    .venv/bin/python tests/models/compute_modes.py     (prints the Markdown table)
 
 For every case of accuracy.py (the repository's graphs and the random-init transformers of
 tests/models) and every model of tests/zoo: export once with the default scale rule, run
@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from cim_int4.bench.variants import quantize_nbits
 from cim_int4.exporter import export_with_summary
 from cim_int4.exporter.sensitivity import worst_cosine
 from cim_int4.graphs import random_input
 from cim_int4.ops import session_options
+
+from cim_int4.bench.variants import quantize_nbits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from accuracy import CASES, Case  # noqa: E402
@@ -61,8 +62,7 @@ def measure(case: Case) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
+    parser.parse_args()
     cases = list(CASES.values()) + [_zoo_case(p) for p in sorted(ZOO.glob("*.onnx"))]
     cols = ("cim fp32", "cim int8", "nbits acc0", "nbits acc4")
     print("| model | " + " | ".join(cols) + " | int8 - fp32 |")
