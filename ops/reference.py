@@ -101,7 +101,7 @@ def quantize_activations(a: np.ndarray, k: int, group_size: int) -> tuple[np.nda
     """int8 mode's A: ``qa`` int8 [M, K_padded], ``as`` float32 [M, groups], ``bsum`` int32 [M, groups]."""
     rows = _padded_rows(a, k, group_size)
     m = rows.shape[0]
-    blocks = rows.reshape(m, -1, group_size)
+    blocks = rows.reshape(m, -(-k // group_size), group_size)  # explicit: an empty A has m = 0
     amax = np.abs(blocks).max(axis=2)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = (np.float32(127) / amax).astype(np.float32)
@@ -111,7 +111,7 @@ def quantize_activations(a: np.ndarray, k: int, group_size: int) -> tuple[np.nda
         qa = np.where(normal[:, :, None], np.rint(blocks * np.where(normal, inv, 0)[:, :, None]), 0).astype(np.int8)
         ascale = np.where(normal, amax / np.float32(127), np.where(np.isfinite(amax), 0, amax)).astype(np.float32)
     bsum = qa.astype(np.int32).sum(axis=2)
-    return qa.reshape(m, -1), ascale, bsum
+    return qa.reshape(m, blocks.shape[1] * group_size), ascale, bsum
 
 
 def emulate(
