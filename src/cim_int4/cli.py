@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import onnx
-
 from .exporter import (
     DEFAULT_COMPUTE,
     DEFAULT_GROUP_SIZE,
@@ -97,8 +95,11 @@ def _validate(args: argparse.Namespace) -> int:
         extra=args.extra,
         all_tensors=args.all,
         compute=args.compute,
+        backend_check=args.backend == "reference",
     )
     print(report.format_table())
+    if report.backends is not None:
+        print(report.format_backends())
     print(report.summary())
     if args.json:
         write_json(report.to_json(), args.json)
@@ -106,30 +107,7 @@ def _validate(args: argparse.Namespace) -> int:
     if args.plot:
         report.write_plot(args.plot)
         print(f"cim-int4: wrote {args.plot}")
-    status = DIVERGED if report.first_divergent else 0
-    if args.backend == "reference":
-        status = _crosscheck(args) or status
-    return status
-
-
-def _crosscheck(args: argparse.Namespace) -> int:
-    from .crosscheck import crosscheck
-    from .graphs import load_feeds, model_feeds
-    from .layercheck import Model
-
-    int4 = Model(args.int4, "INT4")
-    given = load_feeds(args.feeds) if args.feeds else None
-    # The same generator and seed as compare(): the same inputs.
-    feeds = model_feeds(int4.proto, given, dict(args.dim or []), seed=args.seed, int_range=args.int_range)
-    print("\nnative op vs reference op (same INT4 model, same inputs):")
-    report = crosscheck(onnx.load(args.int4), feeds, threads=args.threads, compute=args.compute)
-    for layer in report:
-        print(layer.format())
-    bad = [layer.node for layer in report if not layer.ok]
-    if bad:
-        print(f"cim-int4: native and reference ops disagree beyond FP32 rounding in {', '.join(bad)}", file=sys.stderr)
-        return DIVERGED
-    return 0
+    return DIVERGED if report.first_divergent else 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .crosscheck import LayerAgreement
 from .graphs import model_feeds
 from .layercheck import (
     MAX_CODE_STEPS,
@@ -62,6 +63,8 @@ class Report:
 
     rows: list[TensorRow]
     feeds: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
+    # compare(..., backend_check=True): the same INT4 model on the native and the reference op, per layer.
+    backends: list[LayerAgreement] | None = None
 
     @property
     def layers(self) -> list[LayerCheck]:
@@ -69,8 +72,22 @@ class Report:
 
     @property
     def first_divergent(self) -> str | None:
-        """Name of the first CimInt4MatMul (graph order) whose output its int4 weights do not explain, or None."""
-        return next((c.node for c in self.layers if not c.ok), None)
+        """Name of the first CimInt4MatMul (graph order) whose output its int4 weights do not explain, or None.
+
+        With the backend check, also the first layer whose native output differs from the
+        reference op's beyond FP32 rounding (a kernel bug).
+        """
+        layer = next((c.node for c in self.layers if not c.ok), None)
+        if layer is None and self.backends:
+            layer = next((b.node for b in self.backends if not b.ok), None)
+        return layer
+
+    def format_backends(self) -> str:
+        """The backend check, one line per layer ('' without it)."""
+        if self.backends is None:
+            return ""
+        lines = ["native op vs reference op (same INT4 model, same inputs):"]
+        return "\n".join(lines + [b.format() for b in self.backends])
 
     def format_table(self) -> str:
         """The rows as a text table; 'alone' and 'steps' are a layer's two checks (failures marked '!').
@@ -104,6 +121,12 @@ class Report:
     def summary(self) -> str:
         """One line: the first divergent layer and why, or that every layer is explained by its weights."""
         bad = next((c for c in self.layers if not c.ok), None)
+        if bad is None and self.backends and not all(b.ok for b in self.backends):
+            b = next(b for b in self.backends if not b.ok)
+            return (
+                f"first divergent layer: {b.node} (output {b.output}): the native op differs from the reference op "
+                f"by {b.worst:.3g}x what FP32 rounding allows: a kernel bug, not quantization noise"
+            )
         if bad is None:
             return (
                 f"every CimInt4MatMul ({len(self.layers)}) computes its dequantized weights (alone <= 1) and its "
@@ -129,6 +152,7 @@ class Report:
             "feeds": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.feeds.items()},
             "rows": [asdict(r) | {"shape": list(r.shape)} for r in self.rows],
             "first_divergent": self.first_divergent,
+            "backends": None if self.backends is None else [asdict(b) | {"ok": b.ok} for b in self.backends],
         }
 
     def write_plot(self, path: str | os.PathLike) -> None:
@@ -261,6 +285,7 @@ def compare(
     extra: str | None = None,
     all_tensors: bool = False,
     compute: str | None = None,
+    backend_check: bool = False,
 ) -> Report:
     """Compare ``int4_model`` with ``fp32_model`` (paths or ModelProtos) tensor by tensor, and check each layer alone.
 
@@ -269,8 +294,10 @@ def compare(
     inputs). ``extra`` (a regex on tensor names) or ``all_tensors`` add rows beyond the
     quantized layers' outputs and the graph outputs. ``compute`` ("fp32" | "int8") runs the
     INT4 model with that mode for every node (session config ``cim_int4.compute``) and holds
-    the layers to it; by default each node's own ``compute`` attribute decides. Raises CompareError (a ValueError)
-    naming what differs when the models do not match.
+    the layers to it; by default each node's own ``compute`` attribute decides. ``backend_check``
+    also runs the INT4 model on the reference backend (onnxruntime-extensions) and holds every
+    layer's native output to it within FP32 rounding (``Report.backends``). Raises CompareError
+    (a ValueError) naming what differs when the models do not match.
     """
     from .graphs import load_feeds
 
@@ -338,4 +365,11 @@ def compare(
         except CompareError as e:
             raise CompareError(f"tensor {name!r}: {e}") from e
         rows.append(TensorRow(name, tuple(np.shape(ref[name])), rel, max_abs, cosine, snr, checks.get(name)))
-    return Report(rows, {k: (tuple(v.shape), str(v.dtype)) for k, v in feeds.items()})
+    report = Report(rows, {k: (tuple(v.shape), str(v.dtype)) for k, v in feeds.items()})
+    if backend_check:
+        from .crosscheck import crosscheck
+
+        # The reference op takes the weights as inputs: read them in, external data included.
+        full = int4_model if isinstance(int4_model, onnx.ModelProto) else onnx.load(os.fspath(int4_model))
+        report.backends = crosscheck(full, feeds, threads=threads, compute=compute)
+    return report
