@@ -521,19 +521,25 @@ const OrtCustomOp& the_op() {
 }
 
 // Domains must outlive every session that uses them; ORT keeps raw pointers. One domain
-// serves every RegisterCustomOps call of the process (it holds one immutable op), so
-// registering in many sessions costs nothing per call; it lives until the process ends.
+// serves every RegisterCustomOps call (it holds one immutable op), so registering in many
+// sessions costs nothing per call. It is released when the library is unloaded: ORT keeps
+// the library loaded while any session options or session that registered it live, and
+// reloads it (and with it this static) for the next registration after the last is gone.
+struct DomainDeleter {
+  void operator()(OrtCustomOpDomain* d) const {
+    if (g_api != nullptr) g_api->ReleaseCustomOpDomain(d);
+  }
+};
+
 OrtCustomOpDomain* the_domain() {
-  static OrtCustomOpDomain* domain = [] {
+  static const std::unique_ptr<OrtCustomOpDomain, DomainDeleter> domain = [] {
     OrtCustomOpDomain* raw = nullptr;
     check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
-    if (OrtStatus* s = g_api->CustomOpDomain_Add(raw, &the_op())) {
-      g_api->ReleaseCustomOpDomain(raw);
-      check(s, "adding " CIM_OP_TYPE);
-    }
-    return raw;
+    std::unique_ptr<OrtCustomOpDomain, DomainDeleter> owned(raw);
+    check(g_api->CustomOpDomain_Add(raw, &the_op()), "adding " CIM_OP_TYPE);
+    return owned;
   }();
-  return domain;
+  return domain.get();
 }
 
 }  // namespace
