@@ -403,3 +403,18 @@ def test_memory_sees_the_weights_a_session_holds() -> None:
     variant = bench.select_variants(None)[0]
     m = bench.measure_memory("w", variant, model, random_input(model, {"M": 1}), 1, bench.memory.empty_session_bytes())
     assert m.session_bytes - m.empty_bytes > 0.9 * fp32_bytes
+
+
+GENAI_INT4 = os.path.join(os.path.dirname(__file__), "..", "genai", "llama-int4")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
+def test_bench_genai_tokens_per_second(tmp_path, capsys) -> None:
+    # `cim-int4 bench --genai DIR`: the tokens/s comparison lands in the printout and the JSON.
+    out = tmp_path / "b.json"
+    argv = ["--tiny", "--no-memory", "--threads", "1", "--variants", "cim-int4 int8", "--genai", GENAI_INT4]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    assert "genai greedy decode" in capsys.readouterr().out
+    results = json.loads(out.read_text())["genai"]["results"]
+    assert {"MatMulNBits acc4", "cim-int4 fp32"} <= set(results)
+    assert all(r["decode_tokens_per_s"] > 0 for r in results.values())

@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-time", type=float, metavar="S", help="seconds per case after which rounds stop (default: by suite)"
     )
     parser.add_argument(
+        "--genai",
+        metavar="DIR",
+        help="also time greedy decoding in onnxruntime-genai: the MatMulNBits model folder DIR against its "
+        "CimInt4MatMul conversion (tokens/s; the same as `cim-int4 genai-bench DIR`)",
+    )
+    parser.add_argument(
         "--no-memory",
         action="store_true",
         help="skip the resident-memory table (one fresh process per workload and variant, ~1 s each)",
@@ -106,8 +112,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_memory(report))
         print(memory_legend(report))
+    result = report.to_json()
+    if args.genai:
+        from ..genai_bench import compare, format_comparison
+
+        try:
+            result["genai"] = compare(args.genai, threads=min(args.threads or [1]))
+        except (ImportError, OSError, ValueError) as e:
+            print(f"cim-int4 bench: error: --genai {args.genai}: {e}", file=sys.stderr)
+            return 2
+        print()
+        print(format_comparison(result["genai"]))
     if args.json:
-        write_json(report.to_json(), args.json)
+        write_json(result, args.json)
         print(f"cim-int4 bench: wrote {args.json}")
     if args.plot:
         write_plot(report, args.plot)
