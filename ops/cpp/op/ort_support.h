@@ -1,0 +1,217 @@
+// ORT C API plumbing for the op wrapper (op.cpp): the API pointers, errors as exceptions
+// and back, RAII for ORT objects, the node's attributes (every message names node and
+// attribute) and session config entries (C API 24, looked up at run time).
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cim_op {
+
+// Set by RegisterCustomOps: the API of the running ORT (at C API kMinOrtApi) and its base.
+inline const OrtApi* g_api = nullptr;
+inline const OrtApiBase* g_api_base = nullptr;
+
+
+// An error that already carries the full message for the user.
+struct OpError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Turns an OrtStatus from the C API into an exception, prefixed with what we were doing.
+inline void check(OrtStatus* status, const std::string& what) {
+  if (status == nullptr) return;
+  std::string msg = what + ": " + g_api->GetErrorMessage(status);
+  g_api->ReleaseStatus(status);
+  throw OpError(msg);
+}
+
+template <typename Fn>
+OrtStatus* guarded(Fn&& fn) noexcept {
+  try {
+    fn();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return g_api->CreateStatus(ORT_FAIL, e.what());
+  } catch (...) {
+    return g_api->CreateStatus(ORT_FAIL, CIM_OP_TYPE ": unknown C++ exception");
+  }
+}
+
+struct ValueDeleter {
+  void operator()(OrtValue* v) const { g_api->ReleaseValue(v); }
+};
+struct TypeShapeDeleter {
+  void operator()(OrtTensorTypeAndShapeInfo* v) const { g_api->ReleaseTensorTypeAndShapeInfo(v); }
+};
+using ValuePtr = std::unique_ptr<OrtValue, ValueDeleter>;
+using TypeShapePtr = std::unique_ptr<OrtTensorTypeAndShapeInfo, TypeShapeDeleter>;
+
+inline std::string node_name(const OrtKernelInfo* info) {
+  size_t size = 0;
+  if (OrtStatus* s = g_api->KernelInfo_GetNodeName(info, nullptr, &size)) {
+    g_api->ReleaseStatus(s);
+    return "?";
+  }
+  std::string name(size, '\0');
+  if (OrtStatus* s = g_api->KernelInfo_GetNodeName(info, name.data(), &size)) {
+    g_api->ReleaseStatus(s);
+    return "?";
+  }
+  name.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+  return name;
+}
+
+inline std::string dims_str(const std::vector<int64_t>& dims) {
+  std::ostringstream s;
+  s << '[';
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
+  s << ']';
+  return s.str();
+}
+
+// Reads the node's attributes for one kernel; every message names node and attribute.
+class AttributeReader {
+ public:
+  AttributeReader(const OrtKernelInfo* info, std::string node) : info_(info), node_(std::move(node)) {
+    check(g_api->GetAllocatorWithDefaultOptions(&allocator_), where() + "getting an allocator");
+  }
+
+  std::string where() const { return std::string(CIM_OP_TYPE " node '") + node_ + "': "; }
+
+  [[noreturn]] void fail(const std::string& msg) const { throw OpError(where() + msg); }
+
+  int64_t required_int(const char* name, const char* expected) const {
+    int64_t value = 0;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info_, name, &value)) {
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is missing or not an int (expected " + expected + ")");
+    }
+    return value;
+  }
+
+  // Whether the node has attribute `name` of any type. The C API has no direct query,
+  // so ask with each getter; one of them succeeds when the attribute is there.
+  bool has(const char* name) const {
+    auto ok = [](OrtStatus* s) {
+      if (s == nullptr) return true;
+      g_api->ReleaseStatus(s);
+      return false;
+    };
+    int64_t i = 0;
+    float f = 0;
+    size_t size = 0;
+    if (ok(g_api->KernelInfoGetAttribute_int64(info_, name, &i))) return true;
+    if (ok(g_api->KernelInfoGetAttribute_float(info_, name, &f))) return true;
+    if (ok(g_api->KernelInfoGetAttribute_string(info_, name, nullptr, &size))) return true;
+    if (ok(g_api->KernelInfoGetAttributeArray_float(info_, name, nullptr, &size))) return true;
+    if (ok(g_api->KernelInfoGetAttributeArray_int64(info_, name, nullptr, &size))) return true;
+    OrtValue* v = nullptr;
+    if (!ok(g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &v))) return false;
+    g_api->ReleaseValue(v);
+    return true;
+  }
+
+  // An optional int attribute: `fallback` when absent, an error when of another type.
+  int64_t optional_int(const char* name, int64_t fallback, const char* expected) const {
+    if (!has(name)) return fallback;
+    return required_int(name, expected);
+  }
+
+  // An optional string attribute: `fallback` when absent, an error when of another type.
+  std::string optional_string(const char* name, const std::string& fallback, const char* expected) const {
+    if (!has(name)) return fallback;
+    size_t size = 0;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_string(info_, name, nullptr, &size)) {
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is not a string (expected " + expected + ")");
+    }
+    std::string value(size, '\0');
+    check(g_api->KernelInfoGetAttribute_string(info_, name, value.data(), &size), where() + name);
+    value.resize(size > 0 ? size - 1 : 0);
+    return value;
+  }
+
+  // A tensor attribute of the given element type and shape; on mismatch, a message
+  // that states what was found and what was expected.
+  ValuePtr tensor(const char* name, ONNXTensorElementDataType type, const char* type_name,
+                  const std::vector<int64_t>& shape, const char* layout) const {
+    const std::string expected = std::string(type_name) + " tensor " + dims_str(shape) + " (" + layout + ")";
+    OrtValue* raw = nullptr;
+    if (OrtStatus* s = g_api->KernelInfoGetAttribute_tensor(info_, name, allocator_, &raw)) {
+      std::string why = g_api->GetErrorMessage(s);
+      g_api->ReleaseStatus(s);
+      fail(std::string("attribute '") + name + "' is missing or not a tensor (expected " + expected + "; ORT: " +
+           why + ")");
+    }
+    ValuePtr value(raw);
+    OrtTensorTypeAndShapeInfo* info_raw = nullptr;
+    check(g_api->GetTensorTypeAndShape(value.get(), &info_raw), where() + "reading attribute " + name);
+    TypeShapePtr info(info_raw);
+    ONNXTensorElementDataType got_type;
+    size_t rank = 0;
+    check(g_api->GetTensorElementType(info.get(), &got_type), where() + name);
+    check(g_api->GetDimensionsCount(info.get(), &rank), where() + name);
+    std::vector<int64_t> got(rank);
+    check(g_api->GetDimensions(info.get(), got.data(), rank), where() + name);
+    if (got_type != type) {
+      fail(std::string("attribute '") + name + "' has element type " + std::to_string(int(got_type)) +
+           " (ONNX TensorProto enum), expected " + expected);
+    }
+    if (got != shape) {
+      fail(std::string("attribute '") + name + "' has shape " + dims_str(got) + ", expected " + expected);
+    }
+    return value;
+  }
+
+ private:
+  const OrtKernelInfo* info_;
+  std::string node_;
+  OrtAllocator* allocator_ = nullptr;
+};
+
+template <typename T>
+const T* data_of(OrtValue* v) {
+  void* p = nullptr;
+  check(g_api->GetTensorMutableData(v, &p), "reading attribute data");
+  return static_cast<const T*>(p);
+}
+
+// The session's value of config entry `key`, or "" when absent or when this ORT is
+// older than C API 24 (ORT 1.24), which added KernelInfo_GetConfigEntries. Our headers
+// are older (C API 21): the functions are read from their slots in OrtApi, which only
+// ever grows at the end (indices as in ORT's own static_asserts in onnxruntime_c_api.cc).
+inline std::string session_config_entry(const OrtKernelInfo* info, const char* key) {
+  struct KeyValuePairs;
+  using GetConfigEntriesFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, KeyValuePairs**);
+  using GetKeyValueFn = const char*(ORT_API_CALL*)(const KeyValuePairs*, const char*);
+  using ReleaseKeyValuePairsFn = void(ORT_API_CALL*)(KeyValuePairs*);
+  constexpr size_t kGetKeyValue = 297, kReleaseKeyValuePairs = 300;  // C API 22
+  constexpr size_t kKernelInfoGetConfigEntries = 391;                // C API 24
+  const OrtApi* api24 = g_api_base != nullptr ? g_api_base->GetApi(24) : nullptr;
+  if (api24 == nullptr) return {};
+  const auto* slots = reinterpret_cast<void* const*>(api24);
+  GetConfigEntriesFn get_entries;
+  GetKeyValueFn get_value;
+  ReleaseKeyValuePairsFn release;
+  std::memcpy(&get_entries, &slots[kKernelInfoGetConfigEntries], sizeof get_entries);
+  std::memcpy(&get_value, &slots[kGetKeyValue], sizeof get_value);
+  std::memcpy(&release, &slots[kReleaseKeyValuePairs], sizeof release);
+  KeyValuePairs* entries = nullptr;
+  if (OrtStatus* s = get_entries(info, &entries)) {
+    g_api->ReleaseStatus(s);
+    return {};
+  }
+  std::unique_ptr<KeyValuePairs, ReleaseKeyValuePairsFn> owned(entries, release);
+  const char* value = get_value(entries, key);
+  return value != nullptr ? std::string(value) : std::string();
+}
+
+}  // namespace cim_op
