@@ -89,6 +89,12 @@ struct TileKernels {
     return S::loadi(blk[x / kVecs] + v * kCodeRowBytes + (x % kVecs) * kVecBytes);
   }
 
+  // How many of the NT * 16 channels from n0 on exist (the last tile may be partial).
+  template <int NT>
+  static CIM_INLINE int64_t channels_below_n(const PackedWeights& w, int64_t n0) {
+    return w.N - n0 < NT * kTileN ? w.N - n0 : NT * kTileN;
+  }
+
   // Groups [g0, g1) of one block: the accumulators start at zero for the first groups,
   // else from the partial sums an earlier K block left in Y (stored and reloaded
   // exactly, so the arithmetic is that of one pass over K); after the last groups the
@@ -96,9 +102,8 @@ struct TileKernels {
   template <int NT, int R>
   static CIM_INLINE void load_acc(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0,
                                   F (&acc)[R][NT * kVecs]) {
-    const PackedWeights& w = *args.W;
     const int64_t n0 = t0 * kTileN;
-    const int64_t valid = w.N - n0 < NT * kTileN ? w.N - n0 : NT * kTileN;
+    const int64_t valid = channels_below_n<NT>(*args.W, n0);
     for (int r = 0; r < R; ++r) {
       const float* y = args.Y + (m0 + r) * args.ldy + n0;
       if (g0 == 0) {
@@ -118,7 +123,7 @@ struct TileKernels {
                                    F (&acc)[R][NT * kVecs]) {
     const PackedWeights& w = *args.W;
     const int64_t n0 = t0 * kTileN;
-    const int64_t valid = w.N - n0 < NT * kTileN ? w.N - n0 : NT * kTileN;
+    const int64_t valid = channels_below_n<NT>(w, n0);
     const bool add_bias = w.bias != nullptr && g1 == w.groups;
     for (int r = 0; r < R; ++r) {
       float* y = args.Y + (m0 + r) * args.ldy + n0;
