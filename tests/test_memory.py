@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -113,3 +114,33 @@ def test_registering_the_library_again_and_again_keeps_no_memory() -> None:
     assert proc.returncode == 0, proc.stderr
     grown = int(proc.stdout.strip())
     assert grown < 20 * calls, f"RSS grew by {grown} bytes over {calls} registrations"
+
+
+UNLOAD = """
+import gc
+import numpy as np
+import onnxruntime as ort
+from cim_int4 import library_path
+from conftest import op_attributes, op_model, quantized
+
+qw = quantized(64, 20)
+so = ort.SessionOptions()
+so.register_custom_ops_library(library_path())
+for compute in ("fp32", "int8"):
+    model = op_model(op_attributes(qw, compute=compute), [["M", 64]])
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess.run(None, {"A0": np.ones((3, 64), np.float32)})
+    del sess
+del so
+gc.collect()
+print(sum("libcim_int4_ops" in line for line in open("/proc/self/maps")))
+"""
+
+
+def test_library_unloads_after_runs_on_the_calling_thread() -> None:
+    # No per-thread state outlives a call: a thread_local with a destructor would keep glibc
+    # from unloading the library (and with it the op domain) while the caller's thread lives.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    proc = subprocess.run([sys.executable, "-c", UNLOAD], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0", "the op library is still mapped after its last session is gone"

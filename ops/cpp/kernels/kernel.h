@@ -47,7 +47,9 @@ struct PackedWeights {
   const uint8_t* stream = nullptr;
   const float* bias = nullptr;  // [tiles * 16] (zero past N) or nullptr
 
-  const uint8_t* block(int64_t tile, int64_t group) const {
+  // Always inlined: the SIMD translation units call it, and an out-of-line copy built
+  // with their -m flags could be the one the linker keeps for everyone.
+  __attribute__((always_inline)) const uint8_t* block(int64_t tile, int64_t group) const {
     const int64_t strip0 = tile / kStripTiles * kStripTiles;
     const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
     return stream + (strip0 * groups + group * width + (tile - strip0)) * block_bytes;

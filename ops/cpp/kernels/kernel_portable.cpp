@@ -125,15 +125,24 @@ void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t til
   const int64_t n_end = tile_end * kTileN < w.N ? tile_end * kTileN : w.N;
   for (int64_t m = 0; m < args.M; ++m) {
     float* y = args.Y + m * args.ldy;
+    const float* a = args.A + m * args.lda;
+    int has_nan = -1;  // unknown until an output of the row needs it
     for (int64_t n = tile_begin * kTileN; n < n_end; ++n) {
       if (std::isfinite(y[n])) continue;
+      if (has_nan < 0) {
+        has_nan = 0;
+        for (int64_t k = 0; k < w.K && !has_nan; ++k) has_nan = std::isnan(read_float(a + k));
+      }
+      if (has_nan) continue;  // every output of the row is NaN in exact arithmetic too
       const int64_t t = n / kTileN, c = n % kTileN;
-      const float* a = args.A + m * args.lda;
       double sum = 0.0;
-      for (int64_t k = 0; k < w.K; ++k) {
-        const uint8_t* block = w.block(t, k / w.group_size);
-        const double weight = double(code_in_block(block, c, k % w.group_size) - 8) * block_scales(w, block)[c];
-        sum += double(read_float(a + k)) * weight;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* block = w.block(t, g);
+        const double scale = block_scales(w, block)[c];
+        const int64_t k0 = g * w.group_size;
+        for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
+          sum += double(read_float(a + k0 + j)) * (double(code_in_block(block, c, j) - 8) * scale);
+        }
       }
       if (w.bias != nullptr) sum += w.bias[n];
       y[n] = static_cast<float>(sum);

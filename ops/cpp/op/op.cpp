@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -39,35 +40,26 @@ constexpr const char* kComputeConfigKey = "cim_int4.compute";
 // (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
 // readable from C API 24), that count; else the machine's CPUs (not the calling thread's
 // affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
-// on a smaller pool run one after another and cost nothing; no two ranges share a cache
-// line of Y.
+// on a smaller pool run one after another and cost nothing.
 int64_t parallel_ranges(const OrtKernelInfo* info) {
   const std::string affinities = session_config_entry(info, "session.intra_op_thread_affinities");
   if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// A buffer reused across calls (grows, never shrinks), 64-byte aligned.
-class ScratchBytes {
- public:
-  void* get(size_t bytes) {
-    if (bytes > capacity_) {
-      const size_t rounded = (bytes + 63) / 64 * 64;
-      void* p = std::aligned_alloc(64, rounded);
-      if (p == nullptr) throw std::bad_alloc();
-      data_.reset(p);
-      capacity_ = rounded;
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> data_;
-  size_t capacity_ = 0;
+// Per-call scratch (int8 A, or a copy of a misaligned A): allocated and freed within the
+// call. A thread_local buffer would live as long as ORT's threads and, having a destructor,
+// would keep glibc from unloading the library.
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
 };
+using Scratch = std::unique_ptr<void, FreeDeleter>;
+
+Scratch scratch_bytes(size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw std::bad_alloc();
+  return Scratch(p);
+}
 
 class Kernel {
  public:
@@ -165,11 +157,12 @@ class Kernel {
     void* y_data = nullptr;
     check(g_api->GetTensorMutableData(output, &y_data), where() + "output Y");
 
-    thread_local ScratchBytes a_copy, q_buffer;
+    Scratch a_copy, q_buffer;
     const float* A = static_cast<const float*>(a_data);
     if (reinterpret_cast<uintptr_t>(a_data) % alignof(float) != 0) {
       // ORT passes a caller's buffer through as is, at any byte offset; kernels read floats.
-      void* aligned = a_copy.get(static_cast<size_t>(M * w.K) * sizeof(float));
+      a_copy = scratch_bytes(static_cast<size_t>(M * w.K) * sizeof(float));
+      void* aligned = a_copy.get();
       std::memcpy(aligned, a_data, static_cast<size_t>(M * w.K) * sizeof(float));
       A = static_cast<const float*>(aligned);
     }
@@ -187,7 +180,8 @@ class Kernel {
       const int64_t k_padded = w.groups * w.group_size;
       const size_t q_bytes = static_cast<size_t>(M * k_padded + 63) / 64 * 64;
       const size_t per_group = static_cast<size_t>(M * w.groups);
-      auto* base = static_cast<uint8_t*>(q_buffer.get(q_bytes + per_group * (sizeof(float) + sizeof(int32_t))));
+      q_buffer = scratch_bytes(q_bytes + per_group * (sizeof(float) + sizeof(int32_t)));
+      auto* base = static_cast<uint8_t*>(q_buffer.get());
       auto* q = reinterpret_cast<int8_t*>(base);
       auto* scale = reinterpret_cast<float*>(base + q_bytes);
       auto* zsum = reinterpret_cast<int32_t*>(base + q_bytes + per_group * sizeof(float));
@@ -196,9 +190,11 @@ class Kernel {
       job.args.QA = &job.qa;
       job.fn = kernels_->matmul_int8;
     }
-    // Contiguous static ranges of whole 4-tile (64-channel) blocks, one per CPU: each
-    // thread streams one stretch of the weights, and range edges fall on 256-byte
-    // boundaries of each row of Y, so no two threads share a cache line.
+    // Contiguous static ranges of whole 4-tile (64-channel) strips, one per pool thread:
+    // each thread streams one stretch of the weights, and range edges fall 256 bytes apart
+    // in each row of Y, so with N a multiple of 16 (Y rows on 64-byte lines) no two threads
+    // write into the same cache line; otherwise only the lines that straddle two rows can be
+    // shared (a cost, never a wrong value: no float is written twice).
     const int64_t blocks = (w.tiles + 3) / 4;
     const int64_t ranges = std::min(ranges_, blocks);
     job.blocks_per_range = (blocks + ranges - 1) / ranges;
@@ -361,7 +357,10 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                       api_base->GetVersionString();
     return v1 != nullptr ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
-  g_api = api;
-  g_api_base = api_base;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    g_api = api;
+    g_api_base = api_base;
+  });
   return guarded([&] { check(g_api->AddCustomOpDomain(options, the_domain()), "registering domain " CIM_OP_DOMAIN); });
 }

@@ -6,6 +6,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -15,7 +16,8 @@
 
 namespace cim_op {
 
-// Set by RegisterCustomOps: the API of the running ORT (at C API kMinOrtApi) and its base.
+// Set once, by the first RegisterCustomOps call (std::call_once: kernels of other sessions
+// may be reading them while later calls register the library again).
 inline const OrtApi* g_api = nullptr;
 inline const OrtApiBase* g_api_base = nullptr;
 
@@ -195,7 +197,15 @@ inline std::string session_config_entry(const OrtKernelInfo* info, const char* k
   using ReleaseKeyValuePairsFn = void(ORT_API_CALL*)(KeyValuePairs*);
   constexpr size_t kGetKeyValue = 297, kReleaseKeyValuePairs = 300;  // C API 22
   constexpr size_t kKernelInfoGetConfigEntries = 391;                // C API 24
-  const OrtApi* api24 = g_api_base != nullptr ? g_api_base->GetApi(24) : nullptr;
+  // Asking an older ORT for API 24 makes it print a warning, once per kernel: read the
+  // version first ("1.24.0" and later have it).
+  if (g_api_base == nullptr) return {};
+  int major = 0, minor = 0;
+  if (std::sscanf(g_api_base->GetVersionString(), "%d.%d", &major, &minor) != 2 || major < 1 ||
+      (major == 1 && minor < 24)) {
+    return {};
+  }
+  const OrtApi* api24 = g_api_base->GetApi(24);
   if (api24 == nullptr) return {};
   const auto* slots = reinterpret_cast<void* const*>(api24);
   GetConfigEntriesFn get_entries;
