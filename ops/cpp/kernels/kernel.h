@@ -80,7 +80,8 @@ struct MatMulArgs {
 };
 
 using MatMulFn = void (*)(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end);
-// Fills `out` (buffers sized by quantized_a_sizes) from A [M, K] for one group size.
+// Quantizes A [M, K] for int8 mode into q [M, groups * group_size], scale and zsum
+// [M, groups] (QuantizedA).
 using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
                              float* scale, int32_t* zsum);
 

@@ -68,8 +68,9 @@ struct TileKernels {
   // read. The loops do several operations per byte, so the out-of-order window alone
   // holds too few cache misses to stream from DRAM at full speed. The distances are
   // measured (A/B in one interleaved run, 16 cold 4096x4096 layers, M = 1): fp32 mode
-  // 12 KiB (13-15% faster than 6 KiB), int8 mode 6 KiB (6% faster than 12 KiB). Past the
-  // end of the stream a prefetch touches nothing (prefetches never fault).
+  // 12 KiB (13-15% faster than 6 KiB); int8 mode 6 KiB (12 KiB no better: the differences
+  // were within the 5% two identical builds showed). Past the end of the stream a
+  // prefetch touches nothing (prefetches never fault).
   static constexpr int64_t kPrefetchFp32 = 12288;
   static constexpr int64_t kPrefetchInt8 = 6144;
   template <int NT, int64_t ahead>

@@ -13,7 +13,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -41,8 +40,8 @@ constexpr const char* kComputeConfigKey = "cim_int4.compute";
 // readable from C API 24), that count; else the machine's CPUs (not the calling thread's
 // affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
 // on a smaller pool run one after another and cost nothing.
-int64_t parallel_ranges(const OrtKernelInfo* info) {
-  const std::string affinities = session_config_entry(info, "session.intra_op_thread_affinities");
+int64_t parallel_ranges(const SessionConfig& config) {
+  const std::string affinities = config.get("session.intra_op_thread_affinities");
   if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
   return std::max(1u, std::thread::hardware_concurrency());
 }
@@ -75,18 +74,22 @@ class Kernel {
     if (!cim::is_supported_group_size(group_size)) {
       attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of 16, 32, 64, 128, 256");
     }
-    compute_ = attrs.optional_string("compute", "fp32", "\"fp32\" or \"int8\"");
-    if (compute_ != "fp32" && compute_ != "int8") {
-      attrs.fail("attribute 'compute' is \"" + compute_ + "\", expected \"fp32\" or \"int8\"");
-    }
-    const std::string session_compute = session_config_entry(info, kComputeConfigKey);
-    if (!session_compute.empty()) {
-      if (session_compute != "fp32" && session_compute != "int8") {
-        attrs.fail(std::string("session config entry '") + kComputeConfigKey + "' is \"" + session_compute +
-                   "\", expected \"fp32\" or \"int8\"");
+    // The node's compute mode, unless the session config overrides it for every node;
+    // each is checked where it is given.
+    const SessionConfig config(info);
+    auto checked_mode = [&](std::string mode, const std::string& source) {
+      if (mode != "fp32" && mode != "int8") {
+        attrs.fail(source + " is \"" + mode + "\", expected \"fp32\" or \"int8\"");
       }
-      compute_ = session_compute;
+      return mode;
+    };
+    std::string compute =
+        checked_mode(attrs.optional_string("compute", "fp32", "\"fp32\" or \"int8\""), "attribute 'compute'");
+    if (std::string session_compute = config.get(kComputeConfigKey); !session_compute.empty()) {
+      compute = checked_mode(std::move(session_compute),
+                             std::string("session config entry '") + kComputeConfigKey + "'");
     }
+    int8_ = compute == "int8";
 
     const int64_t groups = (K + group_size - 1) / group_size;
     {
@@ -119,7 +122,7 @@ class Kernel {
       attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
                  available + " (or auto)");
     }
-    ranges_ = parallel_ranges(info);
+    ranges_ = parallel_ranges(config);
   }
 
   void compute(OrtKernelContext* context) const {
@@ -175,7 +178,7 @@ class Kernel {
     job.args.ldy = w.N;
     job.args.W = &w;
     job.fn = kernels_->matmul_fp32;
-    if (compute_ == "int8") {
+    if (int8_) {
       // A is quantized once per call, before the parallel section.
       const int64_t k_padded = w.groups * w.group_size;
       const size_t q_bytes = static_cast<size_t>(M * k_padded + 63) / 64 * 64;
@@ -190,12 +193,12 @@ class Kernel {
       job.args.QA = &job.qa;
       job.fn = kernels_->matmul_int8;
     }
-    // Contiguous static ranges of whole 4-tile (64-channel) strips, one per pool thread:
+    // Contiguous static ranges of whole strips (4 tiles, 64 channels), one per pool thread:
     // each thread streams one stretch of the weights, and range edges fall 256 bytes apart
     // in each row of Y, so with N a multiple of 16 (Y rows on 64-byte lines) no two threads
     // write into the same cache line; otherwise only the lines that straddle two rows can be
     // shared (a cost, never a wrong value: no float is written twice).
-    const int64_t blocks = (w.tiles + 3) / 4;
+    const int64_t blocks = (w.tiles + cim::kStripTiles - 1) / cim::kStripTiles;
     const int64_t ranges = std::min(ranges_, blocks);
     job.blocks_per_range = (blocks + ranges - 1) / ranges;
     const int64_t tasks = (blocks + job.blocks_per_range - 1) / job.blocks_per_range;
@@ -214,15 +217,16 @@ class Kernel {
     static void run(void* self, size_t task) {
       const Job& job = *static_cast<const Job*>(self);
       const int64_t tiles = job.args.W->tiles;
-      const int64_t begin = std::min(tiles, static_cast<int64_t>(task) * job.blocks_per_range * 4);
-      const int64_t end = std::min(tiles, begin + job.blocks_per_range * 4);
+      const int64_t span = job.blocks_per_range * cim::kStripTiles;
+      const int64_t begin = std::min(tiles, static_cast<int64_t>(task) * span);
+      const int64_t end = std::min(tiles, begin + span);
       job.fn(job.args, begin, end);
       cim::recompute_nonfinite(job.args, begin, end);
     }
   };
 
   std::string node_;
-  std::string compute_;
+  bool int8_ = false;  // compute mode "int8" (else "fp32")
   cim::PackedStorage storage_;
   const cim::KernelTable* kernels_ = nullptr;
   int64_t ranges_ = 1;

@@ -186,42 +186,54 @@ const T* data_of(OrtValue* v) {
   return static_cast<const T*>(p);
 }
 
-// The session's value of config entry `key`, or "" when absent or when this ORT is
-// older than C API 24 (ORT 1.24), which added KernelInfo_GetConfigEntries. Our headers
-// are older (C API 21): the functions are read from their slots in OrtApi, which only
-// ever grows at the end (indices as in ORT's own static_asserts in onnxruntime_c_api.cc).
-inline std::string session_config_entry(const OrtKernelInfo* info, const char* key) {
+// The session's config entries as a kernel sees them (read once per kernel), empty when
+// this ORT is older than C API 24 (ORT 1.24), which added KernelInfo_GetConfigEntries. Our
+// headers are older (C API 21): the functions are read from their slots in OrtApi, which
+// only ever grows at the end (indices as in ORT's own static_asserts in
+// onnxruntime_c_api.cc).
+class SessionConfig {
+ public:
+  explicit SessionConfig(const OrtKernelInfo* info) {
+    constexpr size_t kGetKeyValue = 297, kReleaseKeyValuePairs = 300;  // C API 22
+    constexpr size_t kKernelInfoGetConfigEntries = 391;                // C API 24
+    // Asking an older ORT for API 24 makes it print a warning: read the version first
+    // ("1.24.0" and later have it).
+    if (g_api_base == nullptr) return;
+    int major = 0, minor = 0;
+    if (std::sscanf(g_api_base->GetVersionString(), "%d.%d", &major, &minor) != 2 || major < 1 ||
+        (major == 1 && minor < 24)) {
+      return;
+    }
+    const OrtApi* api24 = g_api_base->GetApi(24);
+    if (api24 == nullptr) return;
+    const auto* slots = reinterpret_cast<void* const*>(api24);
+    GetConfigEntriesFn get_entries;
+    ReleaseFn release;
+    std::memcpy(&get_entries, &slots[kKernelInfoGetConfigEntries], sizeof get_entries);
+    std::memcpy(&get_value_, &slots[kGetKeyValue], sizeof get_value_);
+    std::memcpy(&release, &slots[kReleaseKeyValuePairs], sizeof release);
+    KeyValuePairs* entries = nullptr;
+    if (OrtStatus* s = get_entries(info, &entries)) {
+      g_api->ReleaseStatus(s);
+      return;
+    }
+    entries_ = Owned(entries, release);
+  }
+
+  // The value of `key`, or "" when absent.
+  std::string get(const char* key) const {
+    const char* value = entries_ ? get_value_(entries_.get(), key) : nullptr;
+    return value != nullptr ? std::string(value) : std::string();
+  }
+
+ private:
   struct KeyValuePairs;
   using GetConfigEntriesFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, KeyValuePairs**);
   using GetKeyValueFn = const char*(ORT_API_CALL*)(const KeyValuePairs*, const char*);
-  using ReleaseKeyValuePairsFn = void(ORT_API_CALL*)(KeyValuePairs*);
-  constexpr size_t kGetKeyValue = 297, kReleaseKeyValuePairs = 300;  // C API 22
-  constexpr size_t kKernelInfoGetConfigEntries = 391;                // C API 24
-  // Asking an older ORT for API 24 makes it print a warning, once per kernel: read the
-  // version first ("1.24.0" and later have it).
-  if (g_api_base == nullptr) return {};
-  int major = 0, minor = 0;
-  if (std::sscanf(g_api_base->GetVersionString(), "%d.%d", &major, &minor) != 2 || major < 1 ||
-      (major == 1 && minor < 24)) {
-    return {};
-  }
-  const OrtApi* api24 = g_api_base->GetApi(24);
-  if (api24 == nullptr) return {};
-  const auto* slots = reinterpret_cast<void* const*>(api24);
-  GetConfigEntriesFn get_entries;
-  GetKeyValueFn get_value;
-  ReleaseKeyValuePairsFn release;
-  std::memcpy(&get_entries, &slots[kKernelInfoGetConfigEntries], sizeof get_entries);
-  std::memcpy(&get_value, &slots[kGetKeyValue], sizeof get_value);
-  std::memcpy(&release, &slots[kReleaseKeyValuePairs], sizeof release);
-  KeyValuePairs* entries = nullptr;
-  if (OrtStatus* s = get_entries(info, &entries)) {
-    g_api->ReleaseStatus(s);
-    return {};
-  }
-  std::unique_ptr<KeyValuePairs, ReleaseKeyValuePairsFn> owned(entries, release);
-  const char* value = get_value(entries, key);
-  return value != nullptr ? std::string(value) : std::string();
-}
+  using ReleaseFn = void(ORT_API_CALL*)(KeyValuePairs*);
+  using Owned = std::unique_ptr<KeyValuePairs, ReleaseFn>;
+  GetKeyValueFn get_value_ = nullptr;
+  Owned entries_{nullptr, nullptr};
+};
 
 }  // namespace cim_op
