@@ -30,7 +30,7 @@ from .scale_rules import check_scale_rule, group_scales
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
 # Chosen by measurement: README "Accuracy".
-DEFAULT_SCALE_RULE = "balanced"
+DEFAULT_SCALE_RULE = "auto"
 
 
 @dataclass(frozen=True)

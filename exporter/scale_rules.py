@@ -22,13 +22,22 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   which ReLU/GELU/SiLU outputs make large, is what per-group rules leave to chance. Each
   candidate is also tried at its best step for that objective (scored with the codes that
   step rounds to).
+* ``"auto"`` (the default): ``balanced``; with calibration inputs (export ``feeds=``) the
+  exporter runs the model with every layer ``balanced`` and with every layer ``signed``
+  and keeps the rule whose outputs are closer to FP32 on those inputs
+  (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
+  be better on every model without looking at its inputs: the errors of different
+  layers add or cancel by chance (README "Accuracy").
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SCALE_RULES = ("amax8", "signed", "mse", "balanced")
+SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
+# What "auto" means without calibration inputs, and the rules it chooses between with them.
+AUTO_RULE = "balanced"
+AUTO_CHOICES = ("balanced", "signed")
 
 # Weight of the squared running error sum in the balanced rule's objective (per unit of the
 # squared error). Measured on 4096x4096 with 1% 10x outlier columns: 0.03, 0.1 and 0.25
@@ -64,6 +73,8 @@ def group_scales(blocks: np.ndarray, scale_rule: str) -> np.ndarray:
         return (np.abs(blocks).max(axis=-1) / np.float32(8.0)).astype(np.float32)
     if scale_rule == "signed":
         return (signed_extreme(blocks) / np.float32(-8.0)).astype(np.float32)
+    if scale_rule == "auto":
+        scale_rule = AUTO_RULE
     if scale_rule == "balanced":
         return _balanced_scales(blocks)
     flat = blocks.reshape(-1, blocks.shape[-1])

@@ -14,6 +14,12 @@ the dequantized INT4 weight of a layer there gives that layer's exact INT4 weigh
    runs (every other layer in INT4) finds the fewest that reach the target. Each probe is
    one run: every layer INT4, the guess, then at most ``ceil(log2(L + 1))`` more.
 
+With scale rule ``auto``, two runs before step 2 choose the rule (``choose_rule``): every
+layer INT4 with ``balanced``, then with ``signed`` (round-to-nearest, what MatMulNBits does);
+the one with the better *mean* cosine over the calibration rows quantizes every layer (the
+worst row of a small batch is too noisy to choose by). ``target_cosine=0`` stops there: no layer
+is kept FP32 and no per-layer run is made.
+
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
 Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
 the worst over all of them.
@@ -36,6 +42,7 @@ from ..ops.session import session_options
 from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
 from .rewrite import ExportSummary, probe_model, rewrite_model
+from .scale_rules import AUTO_CHOICES
 
 DEFAULT_TARGET_COSINE = 0.99
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
@@ -54,26 +61,35 @@ def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Ite
         yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
 
 
-def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
-    worst = 1.0
+def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
+    found = []
     for r, o in _rows(reference, outputs):
         nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
         # Two all-zero rows agree; one zero row against a non-zero one does not.
         both = nr * no
-        cos = np.where(both > 0, np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0), (nr == 0) & (no == 0))
-        worst = min(worst, float(cos.min()))
-    return worst
+        cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
+        found.append(np.where(both > 0, cos, (nr == 0) & (no == 0)))
+    return np.concatenate(found) if found else np.ones(0)
+
+
+def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
+    found = []
+    for r, o in _rows(reference, outputs):
+        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
+        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
+    return np.concatenate(found) if found else np.zeros(0)
+
+
+def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
+    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
+    return float(min(row_cosines(reference, outputs), default=1.0))
 
 
 def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
     """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
-    worst = 0.0
-    for r, o in _rows(reference, outputs):
-        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
-        rel = np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0))
-        worst = max(worst, float(rel.max()))
-    return worst
+    return float(max(row_rel_l2(reference, outputs), default=0.0))
 
 
 def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -115,6 +131,18 @@ class LayerSensitivity:
     kept: bool
 
 
+@dataclass(frozen=True)
+class RuleChoice:
+    """What scale rule ``auto`` chose: per rule, the mean output cosine over the calibration rows, all layers INT4."""
+
+    cosine: dict[str, float]
+
+    @property
+    def chosen(self) -> str:
+        """The rule with the best cosine; on a tie the first of AUTO_CHOICES (balanced)."""
+        return max(AUTO_CHOICES, key=lambda rule: self.cosine[rule])
+
+
 @dataclass
 class MixedPrecision:
     """What the sensitivity analysis decided: layers by damage, target, cosine reached, runs used."""
@@ -125,6 +153,7 @@ class MixedPrecision:
     cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
     cosine_exported: float | None = None  # the exported model, CimInt4MatMul
     runs: int = 0
+    rule_choice: RuleChoice | None = None  # scale rule "auto" only
 
     @property
     def int4_share(self) -> float:
@@ -135,10 +164,17 @@ class MixedPrecision:
     def format(self) -> str:
         """Lines for the export summary."""
         kept = [x for x in self.layers if x.kept]
-        lines = [
-            f"  mixed precision: target output cosine {self.target_cosine} on the calibration inputs; "
-            f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32 ({self.runs} model runs)",
-        ]
+        if self.target_cosine == 0.0:
+            head = "  calibration inputs: target cosine 0, so no layer kept in FP32"
+        else:
+            head = (
+                f"  mixed precision: target output cosine {self.target_cosine} on the calibration inputs; "
+                f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
+            )
+        lines = [f"{head} ({self.runs} model runs)"]
+        if self.rule_choice is not None:
+            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
+            lines.append(f"    scale rule auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
         lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
@@ -166,8 +202,8 @@ def plan(
     model: onnx.ModelProto, feeds: Feeds, target_cosine: float, options: ExportOptions
 ) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
     """Which candidate layers to keep FP32 (key -> reason), every candidate's INT4 weight, and the report."""
-    if not 0.0 < target_cosine <= 1.0:
-        raise ValueError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
+    if not 0.0 <= target_cosine <= 1.0:
+        raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     probe, candidates = probe_model(model, options)
     report = MixedPrecision(target_cosine=target_cosine)
     if not candidates:
@@ -175,31 +211,50 @@ def plan(
     quiet = ort.SessionOptions()
     quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
     session = _session(probe, quiet)
-    quantized = {c.key: quantize_weight(c.w, options.group_size, options.scale_rule) for c in candidates}
 
-    def int4_weight(i: int) -> np.ndarray:
-        qw = quantized[candidates[i].key]
-        return dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
+    def quantize_all(rule: str) -> dict[str, QuantizedWeight]:
+        return {c.key: quantize_weight(c.w, options.group_size, rule) for c in candidates}
+
+    def cosines(int4_layers: Sequence[int], weights: Mapping[str, QuantizedWeight]) -> np.ndarray:
+        """Every output row's cosine vs FP32 with ``int4_layers`` INT4 (``weights``) and the rest FP32."""
+        report.runs += 1
+        int4 = {}
+        for i in int4_layers:
+            qw = weights[candidates[i].key]
+            int4[candidates[i].weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
+        return row_cosines(reference, session.run(None, {**feeds, **int4}))
 
     def run(int4_layers: Sequence[int]) -> float:
-        report.runs += 1
-        outs = session.run(None, {**feeds, **{candidates[i].weight_name: int4_weight(i) for i in int4_layers}})
-        return worst_cosine(reference, outs)
+        return float(min(cosines(int4_layers, quantized), default=1.0))
 
     reference = session.run(None, dict(feeds))
     report.runs += 1
-    alone = [run([i]) for i in range(len(candidates))]
+    everyone = range(len(candidates))
+    cosine_at: dict[int, float] = {len(candidates): 1.0}  # keep-count (a prefix of `order`) -> cosine
+    if options.scale_rule == "auto":
+        tried = {rule: quantize_all(rule) for rule in AUTO_CHOICES}
+        rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
+        report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
+        quantized = tried[report.rule_choice.chosen]
+        cosine_at[0] = float(min(rows[report.rule_choice.chosen], default=1.0))
+    else:
+        quantized = quantize_all(options.scale_rule)
+    if target_cosine == 0.0:
+        report.cosine_all_int4 = report.cosine_probe = cosine_at.get(0, float("nan"))
+        report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
+        return {}, quantized, report
+    alone = [run([i]) for i in everyone]
     order = sorted(range(len(candidates)), key=lambda i: alone[i])  # most damaging first
     damage = [max(0.0, 1.0 - alone[i]) for i in order]
     budget = 1.0 - target_cosine
     # guess: the fewest kept (a prefix of `order`) whose remaining damages sum within budget
     guess = next(k for k in range(len(order) + 1) if sum(damage[k:]) <= budget)
 
-    cosine_at: dict[int, float] = {len(order): 1.0}
     lo, hi = -1, len(order)  # a keep-count known to miss (or none), the smallest known to reach
     for k in (0, guess):  # every layer INT4 first, then the guess, then bisection
         if lo < k < hi or (k == 0 and hi > 0):
-            cosine_at[k] = run(order[k:])
+            if k not in cosine_at:
+                cosine_at[k] = run(order[k:])
             lo, hi = (lo, k) if cosine_at[k] >= target_cosine else (k, hi)
     while hi - lo > 1:
         k = (lo + hi) // 2
@@ -215,6 +270,11 @@ def plan(
     return keep, quantized, report
 
 
+def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
+    """The RuleChoice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
+    return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
+
+
 def export_mixed(
     model: onnx.ModelProto, feeds: str | os.PathLike | Feeds, target_cosine: float, options: ExportOptions
 ) -> tuple[onnx.ModelProto, ExportSummary]:
@@ -223,6 +283,8 @@ def export_mixed(
     keep, quantized, report = plan(model, feeds, target_cosine, options)
     out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
     summary.mixed_precision = report
+    if report.rule_choice is not None:
+        summary.scale_rule = f"auto: {report.rule_choice.chosen}"
     if summary.rewritten:
         fp32 = _session(model, session_options(pin=False))
         int4 = _session(out, session_options(pin=False))
@@ -234,9 +296,13 @@ __all__ = [
     "DEFAULT_TARGET_COSINE",
     "LayerSensitivity",
     "MixedPrecision",
+    "RuleChoice",
+    "choose_rule",
     "export_mixed",
     "load_feeds",
     "plan",
+    "row_cosines",
+    "row_rel_l2",
     "worst_cosine",
     "worst_rel_l2",
 ]

@@ -8,18 +8,25 @@ from cim_int4.exporter import DEFAULT_SCALE_RULE
 pytest.importorskip("onnx_ir", reason="ORT's MatMulNBitsQuantizer imports onnx-ir (the test extra)")
 from models.accuracy import SMALL_CASES, measure  # noqa: E402  (tests/models, after the skip)
 
+# Evaluation batches per case (2-16 rows each), drawn apart from the calibration batch of "auto": the
+# small decoder's mean over 4 batches (8 rows) still swings by +-0.01 between rules.
+BATCHES = 16
+
 
 @pytest.mark.parametrize("name", list(SMALL_CASES))
 def test_default_rule_is_at_least_as_accurate_as_matmul_nbits(name: str) -> None:
-    row = measure(SMALL_CASES[name], rules=(DEFAULT_SCALE_RULE, "amax8"))
-    ours, nbits = row.cosine[DEFAULT_SCALE_RULE], row.cosine["MatMulNBits"]
+    row = measure(SMALL_CASES[name], rules=(DEFAULT_SCALE_RULE, "balanced"), batches=BATCHES)
+    nbits = row.cosine["MatMulNBits"]
     assert row.layers > 0
-    # Equal up to float noise (6th digit) where both are near perfect (bert: 0.99995).
-    assert ours >= nbits - 2e-6, row
+    assert row.auto_chose in ("balanced", "signed"), row
+    # Means over every evaluation row; equal up to float noise (6th digit) where both are near perfect (bert).
+    assert row.cosine[DEFAULT_SCALE_RULE] >= nbits - 2e-6, row
     assert row.rel_l2[DEFAULT_SCALE_RULE] <= row.rel_l2["MatMulNBits"] * (1 + 1e-3), row
+    # Without calibration inputs "auto" is "balanced": the repository's models keep it at or above too.
+    assert row.cosine["balanced"] >= nbits - 2e-6, row
 
 
 def test_old_rule_loses_where_the_issue_says() -> None:
     # amax8 with inputs >= 0 is the bias of issue 7: the same harness must see it.
-    row = measure(SMALL_CASES["matmul-relu"], rules=("amax8",))
-    assert row.cosine["amax8"] < row.cosine["MatMulNBits"] - 0.01, row
+    row = measure(SMALL_CASES["matmul-relu"], rules=("amax8",), batches=BATCHES)
+    assert row.rel_l2["amax8"] > 1.5 * row.rel_l2["MatMulNBits"], row  # measured 0.163 vs 0.075

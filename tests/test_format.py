@@ -355,7 +355,8 @@ def test_rules_handle_zero_tiny_and_huge_groups(rule: str) -> None:
 
 
 def test_unknown_scale_rule_is_a_one_line_error() -> None:
-    with pytest.raises(ValueError, match=r"scale_rule must be one of \('amax8', 'signed', 'mse', 'balanced'\)"):
+    rules = r"\('amax8', 'signed', 'mse', 'balanced', 'auto'\)"
+    with pytest.raises(ValueError, match=rf"scale_rule must be one of {rules}, got 'median'"):
         quantize(np.ones((32, 1), dtype=np.float32), 32, "median")
 
 

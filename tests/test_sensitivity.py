@@ -10,9 +10,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportError, export_with_summary
-from cim_int4.exporter.sensitivity import load_feeds, worst_cosine, worst_rel_l2
+from cim_int4.exporter.sensitivity import RuleChoice, choose_rule, load_feeds, row_cosines, worst_cosine, worst_rel_l2
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from cim_int4.ops.names import OP_TYPE
+from onnx import numpy_helper
 
 from cim_int4 import make_session
 
@@ -84,6 +85,39 @@ def test_plain_int4_that_meets_the_target_keeps_nothing(llama: onnx.ModelProto, 
     _, summary = export_with_summary(llama, feeds=calibration, target_cosine=0.5)
     assert len(summary.rewritten) == 14 and not any(x.kept for x in summary.mixed_precision.layers)
     assert summary.mixed_precision.int4_share == 1.0
+
+
+def test_auto_rule_keeps_the_better_rule_and_balanced_on_a_tie() -> None:
+    assert choose_rule({"balanced": 0.98, "signed": 0.99, "mse": 1.0}).chosen == "signed"  # only its choices count
+    assert choose_rule({"balanced": 0.99, "signed": 0.98}).chosen == "balanced"
+    assert RuleChoice({"balanced": 0.5, "signed": 0.5}).chosen == "balanced"
+
+
+def test_auto_rule_with_feeds_exports_the_rule_it_measured_best(llama: onnx.ModelProto, calibration) -> None:
+    q, summary = export_with_summary(llama, feeds=calibration, target_cosine=0.0)
+    report = summary.mixed_precision
+    choice = report.rule_choice
+    assert report.runs == 3 and not any(x.kept for x in report.layers)  # reference + one run per rule
+    assert f"scale rule auto: {choice.chosen}" in summary.format()
+    # The choice is the mean cosine of the exported model's outputs, each rule measured the same way.
+    reference = outputs(llama, calibration)
+    forced = {rule: export_with_summary(llama, scale_rule=rule)[0] for rule in ("balanced", "signed")}
+    for rule, model in forced.items():
+        measured = float(np.mean(row_cosines(reference, outputs(model, calibration))))
+        assert choice.cosine[rule] == pytest.approx(measured, abs=1e-5)
+    assert choice.cosine["balanced"] != choice.cosine["signed"]
+
+    def scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+        nodes = [n for n in model.graph.node if n.op_type == OP_TYPE]
+        found = {n.name: a.t for n in nodes for a in n.attribute if a.name == "scales"}
+        return {name: numpy_helper.to_array(t) for name, t in found.items()}
+
+    other = "signed" if choice.chosen == "balanced" else "balanced"
+    got, want, lost = scales(q), scales(forced[choice.chosen]), scales(forced[other])
+    assert len(got) == 14 and got.keys() == want.keys()
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert any(not np.array_equal(got[name], lost[name]) for name in got)
 
 
 def test_mixed_precision_keeps_a_gemm_with_bias_correct() -> None:

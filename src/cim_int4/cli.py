@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-rule",
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
-        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}; README 'Accuracy')",
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
+        "show it closer to FP32; README 'Accuracy')",
     )
     p.add_argument(
         "--compute",
@@ -167,13 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--feeds",
         metavar="DATA.npz",
-        help="calibration inputs (arrays keyed by input name): keep the most sensitive layers FP32",
+        help="calibration inputs (arrays keyed by input name): keep the most sensitive layers FP32, "
+        "and let --scale-rule auto pick its rule on them",
     )
     p.add_argument(
         "--target-cosine",
         type=float,
         metavar="C",
-        help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE})",
+        help=f"with --feeds: worst output cosine vs FP32 to reach on them (default {DEFAULT_TARGET_COSINE}; "
+        "0 keeps no layer FP32)",
     )
     p.add_argument(
         "--fold-input-initializers",
@@ -213,7 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: genai's)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_genai_bench)
-
 
     p = sub.add_parser(
         "validate",
