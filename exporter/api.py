@@ -86,16 +86,23 @@ def check_output_path(source: str | os.PathLike, output: str | os.PathLike) -> N
         raise ExportError(str(e)) from e
 
 
-def save_model(model: onnx.ModelProto, output: str | os.PathLike, *, quiet: bool = True) -> None:
-    """Write ``model`` to ``output`` atomically; tensors go to ``<output>.data`` when the model is over 1 GiB."""
+def save_model(
+    model: onnx.ModelProto, output: str | os.PathLike, *, quiet: bool = True, external_data: bool = False
+) -> None:
+    """Write ``model`` to ``output`` atomically; tensors go to ``<output>.data`` when over 1 GiB or ``external_data``.
+
+    ``external_data=True`` halves what ORT keeps of the weights in a session loaded from ``output``
+    (README, "Session memory").
+    """
     try:
         with OutputFiles(output) as files:
-            if model.ByteSize() > io.EXTERNAL_DATA_THRESHOLD:
+            if external_data or model.ByteSize() > io.EXTERNAL_DATA_THRESHOLD:
                 # Tensors move out of the proto that is saved; the caller's model must stay whole.
                 copy = onnx.ModelProto()
                 copy.CopyFrom(model)
                 model = copy
-            files.commit(model, TensorStore(files, Progress(model.ByteSize(), quiet)))
+            store = TensorStore(files, Progress(model.ByteSize(), quiet))
+            files.commit(model, store, external_data=external_data)
     except ModelFileError as e:
         raise ExportError(str(e)) from e
     except OSError as e:
@@ -116,6 +123,7 @@ def export_int4(
     quiet: bool = False,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
+    external_data: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
@@ -125,8 +133,11 @@ def export_int4(
     ``target_cosine`` on them (see exporter.sensitivity).
     ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
     From a path (without ``simplify`` or ``feeds``), weights are read one at a time and the
-    output is written as it goes, so memory stays well under the model's size. When the output
-    has external data, the returned model refers to ``<output>.data`` (load it from ``output``).
+    output is written as it goes, so memory stays well under the model's size. The output keeps
+    its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``: a
+    session loaded from it then holds 2x the int4 weights instead of 3x (README, "Session
+    memory"). When the output has external data, the returned model refers to ``<output>.data``
+    (load it from ``output``).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
     an output path that would touch a file the input reads, ValueError for a bad option.
     """
@@ -150,7 +161,7 @@ def export_int4(
         quantized, summary = export_with_summary(model, **options)
         _report(summary, quiet)
         if output is not None:
-            save_model(quantized, output, quiet=quiet)
+            save_model(quantized, output, quiet=quiet, external_data=external_data)
             _wrote(output, quiet)
         return quantized
     try:
@@ -166,7 +177,7 @@ def export_int4(
             try:
                 store = TensorStore(files, progress)
                 quantized, summary = _export(proto, store, **options)
-                files.commit(quantized, store)
+                files.commit(quantized, store, external_data=external_data)
             finally:
                 progress.close()
     except ModelFileError as e:

@@ -430,10 +430,10 @@ class OutputFiles:
             left -= len(chunk)
         return start
 
-    def commit(self, model: onnx.ModelProto, store: TensorStore) -> bool:
-        """Write ``model`` (one file, or with ``<out>.data`` when big) and rename into place; True if external."""
+    def commit(self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False) -> bool:
+        """Write ``model`` (one file, or with ``<out>.data`` when big or ``external_data``), rename; True if external."""
         assert self._data is not None
-        external = model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external = external_data or model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
         self._data.flush()
         if external:
             store.externalize(model)

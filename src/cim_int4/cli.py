@@ -37,6 +37,7 @@ def _export(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         fold_input_initializers=args.fold_input_initializers,
         simplify=args.simplify,
+        external_data=args.external_data,
     )
     return 0
 
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fold-input-initializers leaves them FP32)",
     )
     p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="keep the tensors in OUTPUT.data whatever the size: a session loaded from it holds 2x the int4 "
+        "weights instead of 3x (README 'Session memory'; default: only over 1 GiB)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
 
