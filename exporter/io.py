@@ -431,7 +431,7 @@ class OutputFiles:
         return start
 
     def commit(self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False) -> bool:
-        """Write ``model`` (one file, or with ``<out>.data`` when big or ``external_data``), rename; True if external."""
+        """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external."""
         assert self._data is not None
         external = external_data or model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
         self._data.flush()

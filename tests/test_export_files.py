@@ -96,6 +96,32 @@ def test_external_output_from_external_input_runs(
     assert {t.name for t in loaded.graph.initializer} == {"fc0.bias", "fc2.bias"}
 
 
+@pytest.mark.parametrize("source", ["file", "proto", "cli"])
+def test_external_data_option_moves_every_weight_out_and_runs(
+    tmp_path: Path, model: onnx.ModelProto, source: str
+) -> None:
+    # A small model (far under the 1 GiB threshold) still gets <output>.data on request, with
+    # every CimInt4MatMul tensor in it: what keeps ORT to one copy of the weights (README,
+    # "Session memory"). Loaded from the file, it computes what the one-file export does.
+    src = tmp_path / "in.onnx"
+    onnx.save(model, src)
+    out = tmp_path / "out.onnx"
+    if source == "cli":
+        from cim_int4.cli import main
+
+        assert main(["export", str(src), "-o", str(out), "--external-data", "--quiet"]) == 0
+    else:
+        export_int4(src if source == "file" else model, out, quiet=True, external_data=True)
+    assert listing(tmp_path) == ["in.onnx", "out.onnx", "out.onnx.data"]
+    stub = onnx.load(out, load_external_data=False)
+    nodes = [n for n in stub.graph.node if n.op_type == OP_TYPE]
+    tensors = [a.t for n in nodes for a in n.attribute if a.name in ("packed", "scales")]
+    assert tensors and all(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in tensors)
+    x = random_input(model, {"batch": 3}, seed=5)
+    expected = make_session(export_int4(model, quiet=True), threads=1).run(None, x)[0]
+    np.testing.assert_array_equal(make_session(str(out), threads=1).run(None, x)[0], expected)
+
+
 def test_write_model_gives_the_bytes_of_serialize_to_string() -> None:
     # The exporter writes a one-file output node by node, not as one serialized copy of the model.
     from cim_int4.graphs import LlamaConfig, llama_decoder
