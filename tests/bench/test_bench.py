@@ -369,7 +369,7 @@ def test_cli_warm_run_takes_no_bandwidth_samples(tmp_path, capsys: pytest.Captur
     assert {e["variant"] for e in data["results"]} == {"fp32", "cim-int4 fp32"}
     workloads = [w.name for w in bench.SUITES["tiny"].workloads]
     assert [(m["workload"], m["variant"]) for m in data["memory"]] == [
-        (w, v) for w in workloads for v in ("fp32", "cim-int4 fp32")
+        (w, v) for w in workloads for v in ("fp32", "cim-int4 fp32", "cim-int4 fp32 (external data)")
     ]
     assert all(not e["bandwidth_samples"] and e["pct_of_bandwidth"] > 0 for e in data["results"])
 
@@ -378,8 +378,10 @@ def test_cli_warm_run_takes_no_bandwidth_samples(tmp_path, capsys: pytest.Captur
 
 
 def test_memory_has_every_variant_of_every_workload(report: bench.Report, suite: bench.Suite) -> None:
+    # Every variant, then the first CimInt4MatMul one again from a file with external data.
+    first_int4 = next(v for v in VARIANT_NAMES if v.startswith("cim-int4"))
     assert [(m.workload, m.variant) for m in report.memory] == [
-        (w.name, v) for w in suite.workloads for v in VARIANT_NAMES
+        (w.name, v) for w in suite.workloads for v in [*VARIANT_NAMES, first_int4 + " (external data)"]
     ]
     empty = report.meta["empty_session_bytes"]
     assert empty > 0  # even an Identity session allocates

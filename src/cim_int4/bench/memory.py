@@ -13,6 +13,10 @@ Both are reported as ratios to the model's int4 weight bytes (packed codes + sca
 the CimInt4MatMul export of the same graph), for every variant alike; the net ratio
 first subtracts what a session of a one-node model adds (``empty_session_bytes``), the
 part that does not grow with the weights.
+
+With ``external_data`` the model file keeps its tensors in ``<model>.data`` (export's
+``--external-data``): ORT then holds one copy of the weights instead of two (README,
+"Session memory"); the row's variant name says so.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from .variants import Variant
 CHILD_TIMEOUT_S = 600
 # The child's code lives in a module nothing imports, so ``python -m`` runs it fresh.
 CHILD_MODULE = "cim_int4.bench.memory_child"
+# Appended to the variant's name in a row measured from a model saved with external data.
+EXTERNAL_DATA_SUFFIX = " (external data)"
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,18 @@ class MemoryResult:
         return self.peak_bytes / self.int4_bytes if self.int4_bytes else float("nan")
 
 
-def _in_child(label: str, model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], variant: Variant | None) -> dict:
+def _in_child(
+    label: str,
+    model: onnx.ModelProto,
+    feeds: Mapping[str, np.ndarray],
+    variant: Variant | None,
+    external_data: bool = False,
+) -> dict:
     from ..exporter import save_model
 
     with tempfile.TemporaryDirectory(prefix="cim-int4-memory-") as tmp:
         path, feeds_path = Path(tmp) / "model.onnx", Path(tmp) / "feeds.npz"
-        save_model(model, path)
+        save_model(model, path, external_data=external_data)
         np.savez(feeds_path, **feeds)
         env = {**os.environ, **dict(variant.env if variant else ())}
         config = json.dumps(dict(variant.config if variant else ()))
@@ -103,12 +115,17 @@ def measure_memory(
     feeds: Mapping[str, np.ndarray],
     int4_bytes: int,
     empty_bytes: int = 0,
+    external_data: bool = False,
 ) -> MemoryResult:
-    """Resident memory of a session of ``model`` as ``variant`` runs it, measured in a fresh process."""
-    got = _in_child(f"{variant.name} on {workload}", model, feeds, variant)
+    """Resident memory of a session of ``model`` as ``variant`` runs it, measured in a fresh process.
+
+    ``external_data``: load it from a file whose tensors are in ``<model>.data``.
+    """
+    name = variant.name + (EXTERNAL_DATA_SUFFIX if external_data else "")
+    got = _in_child(f"{name} on {workload}", model, feeds, variant, external_data)
     return MemoryResult(
         workload=workload,
-        variant=variant.name,
+        variant=name,
         int4_bytes=int4_bytes,
         baseline_rss=got["baseline"],
         session_bytes=got["rss"] - got["baseline"],

@@ -129,7 +129,8 @@ def memory_legend(report: Report) -> str:
             "session: RSS then minus RSS before loading; peak: highest RSS during load and run minus the same "
             "('?': the peak could not be reset);",
             "ratios to the int4 weight bytes (packed + scales) of the CimInt4MatMul export, for every variant; "
-            f"net: session minus an empty session's {empty / 2**20:.1f} MiB.",
+            f"net: session minus an empty session's {empty / 2**20:.1f} MiB; '(external data)': the model's "
+            "tensors in <model>.data (export --external-data), so ORT keeps one copy of them, not two.",
         ]
     )
 
