@@ -66,7 +66,12 @@ def test_prepared_folder(name: str, folders: dict[str, Path]) -> None:
     ops = [n.op_type for n in model.graph.node]
     assert OP_TYPE in ops and "MatMulNBits" not in ops and "MatMul" not in ops
     assert ops.count(OP_TYPE) == 11  # 2 layers x (qkv, o, gate, up, down) + lm_head
-    assert not (folder / "model.onnx.data").exists(), "the converted weights are inline; the old data is not needed"
+    # The converted weights go to a new model.onnx.data (ORT then keeps one copy of them, not two).
+    data = folder / "model.onnx.data"
+    assert data.stat().st_size < (INT4 / "model.onnx.data").stat().st_size
+    nodes = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node
+    weights = [a.t for n in nodes if n.op_type == OP_TYPE for a in n.attribute if a.name == "packed"]
+    assert len(weights) == 11 and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
     assert (folder / "tokenizer.json").read_bytes() == (INT4 / "tokenizer.json").read_bytes()
     compute = {a.s for n in model.graph.node for a in n.attribute if a.name == "compute"}
     # The converter writes the attribute only for int8; the exporter writes it on every node.
@@ -181,7 +186,7 @@ def test_model_in_a_subfolder(tmp_path: Path) -> None:
     config["model"]["decoder"]["filename"] = "onnx/model.onnx"
     (src / CONFIG_NAME).write_text(json.dumps(config))
     out = prepare(src, tmp_path / "out", compute="fp32", quiet=True)
-    assert sorted(p.name for p in (out / "onnx").iterdir()) == ["model.onnx"]
+    assert sorted(p.name for p in (out / "onnx").iterdir()) == ["model.onnx", "model.onnx.data"]
     prompt = prompts(1)[0]
     acc0 = with_accuracy_level(src, tmp_path / "acc0", 0)
     assert sorted(p.name for p in (acc0 / "onnx").iterdir()) == ["model.onnx"]

@@ -124,7 +124,9 @@ def prepare(
             if rewritten is None:
                 continue
             (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
-            save_model(rewritten, tmp / filename)
+            # External data: ORT keeps one copy of the weights instead of two (README "Session
+            # memory"); genai's ORT (>= 1.31) resolves it from the model's folder.
+            save_model(rewritten, tmp / filename, external_data=True)
             replaced |= model_files(model_path)
             options = section.setdefault("session_options", {})
             if options.get(OPTION) not in (None, LIBRARY_NAME):
