@@ -23,7 +23,8 @@ struct Avx512 {
   // 6 rows x 2 tiles: 12 group sums + 12 accumulators + 4 code vectors fit 32 registers.
   static constexpr int kDecodeTiles = 4;
   static constexpr int kPrefillTiles = 2;
-  static constexpr int kPrefillRows = 6;
+  static constexpr int kPrefillRowsFp32 = 6;
+  static constexpr int kPrefillRowsInt8 = 6;
 
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -47,6 +48,9 @@ struct Avx512 {
   static void store_i8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static I add_i32(I a, I b) { return _mm512_add_epi32(a, b); }
   static int32_t reduce_add_i32(I x) { return _mm512_reduce_add_epi32(x); }
+
+  // fp32 mode's codes: used as they are.
+  static I fp32_codes(I row) { return row; }
 
   // Code j (0..7) of each lane's 8 as the float c - 8: the nibble at bit 8j (j < 4) or
   // 8(j-4) + 4 shifted down, then vpermps, which reads only bits 3:0 of each index,

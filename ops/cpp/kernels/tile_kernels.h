@@ -16,7 +16,7 @@
 //   decode (M = 1): the 4 tiles of a strip side by side (independent FMA / vpdpbusd
 //     chains hide their latency), the stream read once, front to back.
 //   prefill (M > 1): blocks of kPrefillK codes (A's part stays in L2), of
-//     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows rows of A (in
+//     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows* rows of A (in
 //     L1), then chunks of kPrefillTiles tiles: each code row is unpacked once per block
 //     of rows, in registers, and partial sums wait in Y between blocks of K.
 #pragma once
@@ -149,7 +149,7 @@ struct TileKernels {
   static CIM_INLINE void fp32_row(const uint8_t* const (&blk)[NT], int64_t v, const float* const (&a)[R], int64_t k0,
                                   F (&t)[R][NT * kVecs]) {
     I row[NT * kVecs];
-    for (int x = 0; x < NT * kVecs; ++x) row[x] = code_row<NT>(blk, v, x);
+    for (int x = 0; x < NT * kVecs; ++x) row[x] = S::fp32_codes(code_row<NT>(blk, v, x));
     static_for<J>([&](auto jc) {
       constexpr int j = decltype(jc)::value;
       F wv[NT * kVecs];
@@ -254,8 +254,12 @@ struct TileKernels {
     }
   }
 
+  // Rows per prefill block, per compute mode (the traits measure each).
+  template <bool kInt8>
+  static constexpr int kPrefillRows = kInt8 ? S::kPrefillRowsInt8 : S::kPrefillRowsFp32;
+
   // Rows m0 .. m0 + rows - 1 (1 <= rows <= kPrefillRows) against tiles t0 .. t0 + NT - 1.
-  template <bool kInt8, int NT, int R = S::kPrefillRows>
+  template <bool kInt8, int NT, int R = kPrefillRows<kInt8>>
   static void rows_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t rows, int64_t g0, int64_t g1) {
     if constexpr (R >= 1) {
       if (rows == R) {
@@ -284,7 +288,7 @@ struct TileKernels {
       return;
     }
     constexpr int NT = S::kPrefillTiles;
-    constexpr int R = S::kPrefillRows;
+    constexpr int R = kPrefillRows<kInt8>;
     const int64_t k_groups = kPrefillK / w.group_size > 0 ? kPrefillK / w.group_size : 1;
     for (int64_t g0 = 0; g0 < w.groups; g0 += k_groups) {
       const int64_t g1 = g0 + k_groups < w.groups ? g0 + k_groups : w.groups;
