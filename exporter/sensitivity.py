@@ -115,9 +115,13 @@ def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dic
 def _session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
     if model.ByteSize() < _IN_MEMORY_LIMIT:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # Saving with external data moves the tensors out of the proto it is given: save a copy,
+    # the caller's model (the user's, in export_mixed) must stay whole.
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
     with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
         path = Path(tmp) / "model.onnx"
-        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
+        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -240,7 +244,9 @@ def plan(
     else:
         quantized = quantize_all(options.scale_rule)
     if target_cosine == 0.0:
-        report.cosine_all_int4 = report.cosine_probe = cosine_at.get(0, float("nan"))
+        if 0 not in cosine_at:
+            cosine_at[0] = run(everyone)
+        report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
         return {}, quantized, report
     alone = [run([i]) for i in everyone]

@@ -190,7 +190,19 @@ def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, 
 
     _, in_memory = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
     monkeypatch.setattr(sensitivity, "_IN_MEMORY_LIMIT", 1)
+    before = llama.SerializeToString()
     _, from_files = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
+    assert llama.SerializeToString() == before, "the caller's model keeps its weights inline"
     a, b = in_memory.mixed_precision, from_files.mixed_precision
     assert [x.kept for x in a.layers] == [x.kept for x in b.layers]
     assert b.cosine_exported == pytest.approx(a.cosine_exported, abs=1e-6)
+
+
+def test_target_zero_keeps_nothing_and_reports_the_all_int4_cosine(llama: onnx.ModelProto, calibration) -> None:
+    q, summary = export_with_summary(llama, scale_rule="balanced", feeds=calibration, target_cosine=0.0)
+    report = summary.mixed_precision
+    assert report.rule_choice is None and report.runs == 2  # reference + every layer INT4
+    assert len(summary.rewritten) == 14 and not any(x.kept for x in report.layers)
+    reached = worst_cosine(outputs(llama, calibration), outputs(q, calibration))
+    assert report.cosine_all_int4 == pytest.approx(reached, abs=1e-4)
+    assert "no layer kept in FP32" in summary.format()
