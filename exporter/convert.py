@@ -213,12 +213,20 @@ def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.Mode
 
 
 def convert_file(
-    source: str | os.PathLike, output: str | os.PathLike, *, compute: str = "auto", quiet: bool = False
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    compute: str = "auto",
+    quiet: bool = False,
+    external_data: bool = False,
 ) -> ConvertSummary:
-    """Convert the model file ``source`` (with its external data) and write ``output``; never the input."""
+    """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
+
+    ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
+    """
     check_output_path(source, output)
     converted, summary = convert_with_summary(load_model(source), compute)
-    save_model(converted, output)
+    save_model(converted, output, external_data=external_data)
     if not quiet:
         print(summary.format())
         print(f"cim-int4: wrote {output}")

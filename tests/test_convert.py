@@ -264,6 +264,17 @@ def test_cli_convert_with_external_data(tmp_path: Path, capsys) -> None:
     for got, want in zip(make_session(out, threads=1).run(None, x), run_plain(load_model(src), x), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert load_model(out).graph.node[0].op_type == OP_TYPE
+    assert not (tmp_path / "out.onnx.data").exists(), "a small output stays one file unless asked"
+
+    # --external-data: the converted attributes go to <output>.data (ORT keeps one copy, not two)
+    out_ext = tmp_path / "ext.onnx"
+    assert main(["convert", str(src), "-o", str(out_ext), "--external-data", "-q"]) == 0
+    nodes = onnx.load(str(out_ext), load_external_data=False).graph.node
+    packed = [a.t for n in nodes if n.op_type == OP_TYPE for a in n.attribute if a.name == "packed"]
+    assert len(packed) == 2 and all(t.data_location == onnx.TensorProto.EXTERNAL for t in packed)
+    ext_out, one_file_out = (make_session(p, threads=1).run(None, x) for p in (out_ext, out))
+    for got, want in zip(ext_out, one_file_out, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from .exporter import (
     DEFAULT_COMPUTE,
@@ -51,7 +52,7 @@ ORT_ERROR = 5
 def _convert(args: argparse.Namespace) -> int:
     from .exporter.convert import convert_file
 
-    convert_file(args.model, args.output, compute=args.compute, quiet=args.quiet)
+    convert_file(args.model, args.output, compute=args.compute, quiet=args.quiet, external_data=args.external_data)
     return 0
 
 
@@ -135,9 +136,25 @@ def _int_range(text: str) -> tuple[int, int]:
     return values
 
 
+def _add_external_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="keep the tensors in OUTPUT.data whatever the size: a session loaded from it holds 2x the int4 "
+        "weights instead of 3x (README 'Session memory'; default: only over 1 GiB)",
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (the usage itself is under --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``cim-int4``."""
-    parser = argparse.ArgumentParser(prog="cim-int4", description="INT4 weight-only quantization for ONNX Runtime")
+    parser = _Parser(prog="cim-int4", description="INT4 weight-only quantization for ONNX Runtime")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="quantize an FP32 ONNX model's MatMul/Gemm weights to CimInt4MatMul")
@@ -187,12 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fold-input-initializers leaves them FP32)",
     )
     p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
-    p.add_argument(
-        "--external-data",
-        action="store_true",
-        help="keep the tensors in OUTPUT.data whatever the size: a session loaded from it holds 2x the int4 "
-        "weights instead of 3x (README 'Session memory'; default: only over 1 GiB)",
-    )
+    _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
 
@@ -203,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="ONNX file with com.microsoft MatMulNBits nodes (read, never modified)")
     p.add_argument("-o", "--output", required=True, help="where to write the converted model (not the input file)")
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_convert)
 
