@@ -6,9 +6,11 @@ Make the TinyLlama-1.1B-shaped folders first (torch env, ~2 min, 4.2 GB checkpoi
         --accuracy-level 4 0 --checkpoint SCRATCH/checkpoint -o SCRATCH
 
 then time the accuracy_level 4 folder (``cim-int4 genai-bench``'s comparison, in this process,
-between two read-bandwidth probes), and measure each variant's RSS in a child process:
+between two read-bandwidth probes), compare each variant's logits with MatMulNBits acc0's, and
+measure each variant's RSS in a child process:
 
-    .venv/bin/python tools/genai_real_size.py SCRATCH/llama-int4-acc4 --threads 1 2 --steps 64 --repeats 5 --memory
+    .venv/bin/python tools/genai_real_size.py SCRATCH/llama-int4-acc4 --threads 1 2 --steps 64 --repeats 5 \\
+        --accuracy --memory
 
 Effective weight bandwidth = int4 bytes of the decoder's MatMulNBits nodes (packed + scales,
 the quantized lm_head included; the FP32 embedding Gather reads one row a token) x tokens/s.
@@ -25,12 +27,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 from cim_int4.exporter.convert import NBITS_DOMAIN, NBITS_OP
 
 from cim_int4.bench.machine import LoadMeter
 from cim_int4.bench.probe import BandwidthProbe
-from cim_int4.genai_bench import compare, decoder_file, format_comparison, greedy, load, variants
+from cim_int4.genai_bench import compare, decoder_file, format_comparison, greedy, load, logits_along, variants
 
 
 def nbits_weight_bytes(folder: Path) -> int:
@@ -62,8 +65,9 @@ def rss_child(folder: str, threads: int, steps: int) -> dict:
 
     before = _status()["VmRSS"]
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
-    greedy(load(folder, threads), list(range(3, 19)), steps)
-    after = _status()
+    model = load(folder, threads)
+    greedy(model, list(range(3, 19)), steps)
+    after = _status()  # while `model` is alive: freeing it first measured the allocator, not the session
     return {"session": after["VmRSS"] - before, "peak": after["VmHWM"] - before}
 
 
@@ -74,6 +78,28 @@ def memory(folder: Path, threads: int, steps: int) -> dict[str, dict]:
         for label, path in variants(folder, work).items():
             cmd = [sys.executable, __file__, "--rss-child", str(path), str(threads), str(steps)]
             out[label] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return out
+
+
+def accuracy(folder: Path, steps: int) -> dict[str, dict]:
+    """Each variant's logits along MatMulNBits acc0's greedy tokens, against acc0's: mean/min cosine, max |diff|."""
+    prompt = list(range(3, 19))
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="cim-int4-genai-acc-") as work:
+        folders = variants(folder, work)
+        reference_model = load(folders["MatMulNBits acc0"])
+        tokens = greedy(reference_model, prompt, steps).tokens
+        reference = logits_along(reference_model, prompt, tokens)
+        del reference_model
+        for label, path in folders.items():
+            logits = logits_along(load(path), prompt, tokens)
+            cos = (logits * reference).sum(1) / (np.linalg.norm(logits, axis=1) * np.linalg.norm(reference, axis=1))
+            out[label] = {
+                "cos_mean": float(cos.mean()),
+                "cos_min": float(cos.min()),
+                "max_abs_diff": float(np.abs(logits - reference).max()),
+                "argmax_equal": int((logits.argmax(1) == reference.argmax(1)).sum()),
+            }
     return out
 
 
@@ -102,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true", help="also the RSS of each variant (one child process each)")
+    parser.add_argument("--accuracy", action="store_true", help="also logits against MatMulNBits acc0's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     weight_bytes = nbits_weight_bytes(args.folder)
@@ -117,6 +144,14 @@ def main() -> None:
         for label, r in report["results"].items():
             share = f"{r['weight_bytes_per_s'] / 1e9:6.1f} GB/s = {100 * r['share_of_probe']:.0f}% of probe"
             print(f"  {label:<32} {share}")
+    if args.accuracy:
+        result["accuracy"] = accuracy(args.folder, args.steps)
+        print(f"logits along MatMulNBits acc0's {args.steps} greedy tokens (teacher forcing), against acc0's:")
+        for label, a in result["accuracy"].items():
+            print(
+                f"  {label:<32} cosine mean {a['cos_mean']:.6f} min {a['cos_min']:.6f}, max |diff| "
+                f"{a['max_abs_diff']:.3g}, argmax equal {a['argmax_equal']}/{args.steps}"
+            )
     if args.memory:
         result["memory"] = memory(args.folder, 1, 8)
         for label, m in result["memory"].items():
