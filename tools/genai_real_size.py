@@ -11,6 +11,8 @@ measure each variant's RSS in a child process:
 
     .venv/bin/python tools/genai_real_size.py SCRATCH/llama-int4-acc4 --threads 1 2 --steps 64 --repeats 5 \\
         --accuracy --memory
+    .venv/bin/python tools/genai_real_size.py SCRATCH/llama-int4-acc4 --threads \\
+        --accuracy --reference SCRATCH/llama-fp32     # make_models.py --precision fp32 builds it
 
 Effective weight bandwidth = int4 bytes of the decoder's MatMulNBits nodes (packed + scales,
 the quantized lm_head included; the FP32 embedding Gather reads one row a token) x tokens/s.
@@ -32,6 +34,7 @@ import onnx
 from cim_int4.exporter.convert import NBITS_DOMAIN, NBITS_OP
 
 from cim_int4.bench.machine import LoadMeter
+from cim_int4.bench.memory_child import vm_status
 from cim_int4.bench.probe import BandwidthProbe
 from cim_int4.genai_bench import compare, decoder_file, format_comparison, greedy, load, logits_along, variants
 
@@ -50,24 +53,15 @@ def nbits_weight_bytes(folder: Path) -> int:
     return total
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def rss_child(folder: str, threads: int, steps: int) -> dict:
     """In a fresh process: RSS before loading ``folder``, after a greedy run of ``steps`` tokens, and the peak."""
     import onnxruntime_genai  # noqa: F401  (its import cost belongs to the baseline)
 
-    before = _status()["VmRSS"]
+    before = vm_status()["VmRSS"]
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
     model = load(folder, threads)
     greedy(model, list(range(3, 19)), steps)
-    after = _status()  # while `model` is alive: freeing it first measured the allocator, not the session
+    after = vm_status()  # while `model` is alive: freeing it first measured the allocator, not the session
     return {"session": after["VmRSS"] - before, "peak": after["VmHWM"] - before}
 
 
@@ -81,13 +75,17 @@ def memory(folder: Path, threads: int, steps: int) -> dict[str, dict]:
     return out
 
 
-def accuracy(folder: Path, steps: int) -> dict[str, dict]:
-    """Each variant's logits along MatMulNBits acc0's greedy tokens, against acc0's: mean/min cosine, max |diff|."""
+def accuracy(folder: Path, steps: int, reference_folder: Path | None = None) -> dict[str, dict]:
+    """Each variant's logits along the reference's greedy tokens, against the reference's (default MatMulNBits acc0).
+
+    Teacher forcing: every model sees the same tokens, so each step compares one forward pass.
+    Returns mean/min cosine, max |diff| and how many argmax tokens equal the reference's.
+    """
     prompt = list(range(3, 19))
     out = {}
     with tempfile.TemporaryDirectory(prefix="cim-int4-genai-acc-") as work:
         folders = variants(folder, work)
-        reference_model = load(folders["MatMulNBits acc0"])
+        reference_model = load(reference_folder or folders["MatMulNBits acc0"])
         tokens = greedy(reference_model, prompt, steps).tokens
         reference = logits_along(reference_model, prompt, tokens)
         del reference_model
@@ -124,11 +122,12 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="genai folder with MatMulNBits (the builder's int4 output)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="none: no timing")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true", help="also the RSS of each variant (one child process each)")
     parser.add_argument("--accuracy", action="store_true", help="also logits against MatMulNBits acc0's")
+    parser.add_argument("--reference", type=Path, help="--accuracy against this genai folder (e.g. the FP32 build)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     weight_bytes = nbits_weight_bytes(args.folder)
@@ -145,8 +144,9 @@ def main() -> None:
             share = f"{r['weight_bytes_per_s'] / 1e9:6.1f} GB/s = {100 * r['share_of_probe']:.0f}% of probe"
             print(f"  {label:<32} {share}")
     if args.accuracy:
-        result["accuracy"] = accuracy(args.folder, args.steps)
-        print(f"logits along MatMulNBits acc0's {args.steps} greedy tokens (teacher forcing), against acc0's:")
+        result["accuracy"] = accuracy(args.folder, args.steps, args.reference)
+        ref = args.reference or "MatMulNBits acc0"
+        print(f"logits along {ref}'s {args.steps} greedy tokens (teacher forcing), against its logits:")
         for label, a in result["accuracy"].items():
             print(
                 f"  {label:<32} cosine mean {a['cos_mean']:.6f} min {a['cos_min']:.6f}, max |diff| "
