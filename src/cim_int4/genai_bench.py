@@ -94,7 +94,8 @@ def agreement(tokens: Sequence[int], reference: Sequence[int]) -> int:
     return next((i for i in range(n) if tokens[i] != reference[i]), n)
 
 
-def _decoder_file(folder: Path) -> Path:
+def decoder_file(folder: Path) -> Path:
+    """The decoder ONNX file that genai_config.json of ``folder`` names."""
     config = json.loads((folder / CONFIG_NAME).read_text())
     return folder / config["model"]["decoder"]["filename"]
 
@@ -102,7 +103,7 @@ def _decoder_file(folder: Path) -> Path:
 def with_accuracy_level(source: str | os.PathLike, output: str | os.PathLike, level: int) -> Path:
     """A copy of the genai folder ``source`` whose decoder's MatMulNBits nodes have ``accuracy_level`` = ``level``."""
     src, out = Path(source), Path(output)
-    source_model = _decoder_file(src)
+    source_model = decoder_file(src)
     copy_folder(src, out, model_files(source_model))
     model = load_model(source_model)
     for node in model.graph.node:
@@ -116,7 +117,7 @@ def with_accuracy_level(source: str | os.PathLike, output: str | os.PathLike, le
 
 def accuracy_levels(folder: str | os.PathLike) -> set[int]:
     """The accuracy_level values of the decoder's MatMulNBits nodes (absent = 0)."""
-    model = onnx.load(str(_decoder_file(Path(folder))), load_external_data=False)
+    model = onnx.load(str(decoder_file(Path(folder))), load_external_data=False)
     return {
         next((a.i for a in n.attribute if a.name == "accuracy_level"), 0)
         for n in model.graph.node

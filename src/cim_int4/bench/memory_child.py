@@ -11,7 +11,7 @@ import numpy as np
 from cim_int4.ops import make_session
 
 
-def _status() -> dict[str, int]:
+def vm_status() -> dict[str, int]:
     """VmRSS and VmHWM of this process in bytes."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -25,7 +25,7 @@ def _child(model: str, feeds: str, config: str) -> dict:
     """Run in the fresh process: load ``model`` with session ``config`` (JSON), run it once on ``feeds``."""
     with np.load(feeds) as data:
         inputs = {name: data[name] for name in data.files}
-    before = _status()["VmRSS"]
+    before = vm_status()["VmRSS"]
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         reset = True
@@ -33,7 +33,7 @@ def _child(model: str, feeds: str, config: str) -> dict:
         reset = False
     session = make_session(model, threads=1, pin=False, config=json.loads(config))
     session.run(None, inputs)
-    after = _status()
+    after = vm_status()
     return {"baseline": before, "rss": after["VmRSS"], "peak": after["VmHWM"], "reset": reset}
 
 
