@@ -24,6 +24,7 @@ from onnx import helper, numpy_helper
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .api import ExportError, check_output_path, load_model, max_ir_version, save_model
 from .fold import NotFoldable, Scope
+from .io import read_model, tensor_nbytes
 from .quantize import SUPPORTED_GROUP_SIZES
 from .rewrite import Skipped, drop_stray_imports
 from .subgraph import drop_unused
@@ -210,6 +211,20 @@ def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.Mode
     Load a model with external data from its file first (``cim_int4.exporter.load_model``).
     """
     return convert_with_summary(model, compute)[0]
+
+
+def int4_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the B and scales initializers of the MatMulNBits nodes in the model file ``path`` (weights not read)."""
+    model, _ = read_model(path)
+    initializers = {t.name: t for t in model.graph.initializer}
+    names = {
+        n.input[slot]
+        for n in model.graph.node
+        if n.op_type == NBITS_OP and n.domain == NBITS_DOMAIN
+        for slot in (_B, _SCALES)
+        if len(n.input) > slot
+    }
+    return sum(tensor_nbytes(initializers[name]) for name in names if name in initializers)
 
 
 def convert_file(

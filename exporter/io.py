@@ -73,7 +73,8 @@ def set_external(tensor: onnx.TensorProto, location: str, offset: int, length: i
         tensor.external_data.add(key=key, value=value)
 
 
-def _nbytes(tensor: onnx.TensorProto) -> int:
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of ``tensor``'s values, from its shape and type (whether inline or external)."""
     count = int(np.prod(tensor.dims, dtype=np.int64))
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
@@ -187,8 +188,8 @@ def _check_external(tensor: onnx.TensorProto, model_path: Path, base: str) -> st
             pass
     except OSError as e:
         raise ModelFileError(f"{where}: cannot read {full} ({e.strerror})") from e
-    need = offset + (_nbytes(tensor) if length is None else length)
-    if offset < 0 or (length is not None and length != _nbytes(tensor)):
+    need = offset + (tensor_nbytes(tensor) if length is None else length)
+    if offset < 0 or (length is not None and length != tensor_nbytes(tensor)):
         raise ModelFileError(f"{where}: offset {offset} / length {length} do not fit shape {list(tensor.dims)}")
     if need > os.path.getsize(full):
         raise ModelFileError(f"{where}: {full} has {os.path.getsize(full)} bytes, the tensor needs {need}")
@@ -229,7 +230,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[str]]:
         if os.path.isabs(location) and location == real:
             continue  # a lazy inline tensor of the model file itself
         full = _check_external(tensor, p, base)
-        set_external(tensor, full, offset, _nbytes(tensor) if length is None else length)
+        set_external(tensor, full, offset, tensor_nbytes(tensor) if length is None else length)
         if full not in files:
             files.append(full)
     return model, files
@@ -276,7 +277,7 @@ class TensorStore:
         location, offset, length = external_info(tensor)
         with open(self._path(location), "rb") as f:
             f.seek(offset)
-            data = f.read(length if length is not None else _nbytes(tensor))
+            data = f.read(length if length is not None else tensor_nbytes(tensor))
         self.progress.update(len(data))
         return data
 
@@ -333,7 +334,7 @@ class TensorStore:
         for tensor in iter_tensors(model.graph):
             if tensor.data_location == _EXTERNAL:
                 _, _, length = external_info(tensor)
-                total += _nbytes(tensor) if length is None else length
+                total += tensor_nbytes(tensor) if length is None else length
         return total
 
 
