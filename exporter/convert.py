@@ -15,6 +15,7 @@ levels compute in FP32. Nodes that do not match are left as they are, with the r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,9 +23,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
-from .api import ExportError, check_output_path, load_model, max_ir_version, save_model
+from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
-from .io import read_model, tensor_nbytes
+from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes
 from .quantize import SUPPORTED_GROUP_SIZES
 from .rewrite import Skipped, drop_stray_imports
 from .subgraph import drop_unused
@@ -82,7 +83,10 @@ def _input(node: onnx.NodeProto, slot: int) -> str:
 def _constant(consts: Scope, node: onnx.NodeProto, slot: int, what: str) -> np.ndarray:
     name = node.input[slot]
     tensor = consts.initializers.get(name)
-    if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+    # A relative location was never resolved (read_model makes them absolute for TensorStore.read).
+    if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data and not (
+        os.path.isabs(external_info(tensor)[0])
+    ):
         raise ExportError(
             f"{what} {name!r} of node {node.name!r} is in external data that was not loaded; "
             "load the model from its file (onnx.load(path) or cim_int4.exporter.load_model)"
@@ -167,22 +171,33 @@ def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[on
     return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
 
 
-def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
-    """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
+class NothingToConvert(ExportError):
+    """No MatMulNBits node converts; ``summary`` says why for each (none skipped: the model has none)."""
 
-    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
-    Raises ExportError if no node converts (the message lists why for each).
+    def __init__(self, summary: ConvertSummary) -> None:
+        if summary.skipped:
+            super().__init__(f"no {NBITS_OP} node could be converted\n{summary.format()}")
+        else:
+            super().__init__(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
+        self.summary = summary
+
+
+def _convert_in_place(
+    model: onnx.ModelProto, compute: str, load: Callable[[onnx.TensorProto], np.ndarray] | None = None
+) -> ConvertSummary:
+    """Convert ``model`` itself, for callers that own it; ``load`` reads an initializer (default: its inline data).
+
+    The only conversion: convert_with_summary runs it on a copy; convert_file on a model whose
+    weights stay in their file (read one node at a time by ``load``), so no whole copy is held.
     """
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
     try:
-        drop_stray_imports(out)  # an import left by ORT's transformers optimizer, with no node
+        drop_stray_imports(model)  # an import left by ORT's transformers optimizer, with no node
     except ValueError as e:
         raise ExportError(str(e)) from None
-    graph = out.graph
-    consts = Scope(graph, fold_inputs=False)  # an overridable B or scales is the caller's to feed
+    graph = model.graph
+    consts = Scope(graph, fold_inputs=False, load=load)  # an overridable B or scales is the caller's to feed
     summary = ConvertSummary()
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -195,14 +210,24 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
         graph.node[index].CopyFrom(new)
         summary.converted.append(done)
     if not summary.converted:
-        if not summary.skipped:
-            raise ExportError(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
-        raise ExportError(f"no {NBITS_OP} node could be converted\n{summary.format()}")
+        raise NothingToConvert(summary)
     drop_unused(graph, folded=set(), folded_inputs=set())
-    if not any(o.domain == OP_DOMAIN for o in out.opset_import):
-        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
-    out.ir_version = min(out.ir_version, max_ir_version())
-    return out, summary
+    if not any(o.domain == OP_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    model.ir_version = min(model.ir_version, max_ir_version())
+    return summary
+
+
+def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
+    """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
+
+    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
+    ``model`` is left as it is. Raises NothingToConvert (an ExportError) if no node converts
+    (the message lists why for each).
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out, _convert_in_place(out, compute)
 
 
 def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.ModelProto:
@@ -237,11 +262,21 @@ def convert_file(
 ) -> ConvertSummary:
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
+    Reads one node's weights at a time: memory peaks near the int4 weights once (README, "convert").
+
     ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
     """
-    check_output_path(source, output)
-    converted, summary = convert_with_summary(load_model(source), compute)
-    save_model(converted, output, external_data=external_data)
+    try:
+        # Weights stay in the input files until written: memory holds the converted weights, not the model.
+        model, input_files = read_model(source)
+        with OutputFiles(output, input_files) as files:
+            store = TensorStore(files)
+            summary = _convert_in_place(model, compute, store.read)
+            files.commit(model, store, external_data=external_data)
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
+    except OSError as e:
+        raise ExportError(f"{e.filename or output}: {e.strerror or e}") from e
     if not quiet:
         print(summary.format())
         print(f"cim-int4: wrote {output}")

@@ -302,14 +302,18 @@ class TensorStore:
             offset = self.sink.append(tensor.raw_data)
             set_external(tensor, self.sink.data_name, offset, len(tensor.raw_data))
 
+    def inline_tensor(self, tensor: onnx.TensorProto) -> None:
+        """Read an external ``tensor`` back into the proto."""
+        data = self.read_bytes(tensor)
+        del tensor.external_data[:]
+        tensor.ClearField("data_location")
+        tensor.raw_data = data
+
     def inline(self, model: onnx.ModelProto) -> None:
         """Read every external tensor of ``model`` back into the proto."""
         for tensor in iter_tensors(model.graph):
             if tensor.data_location == _EXTERNAL:
-                data = self.read_bytes(tensor)
-                del tensor.external_data[:]
-                tensor.ClearField("data_location")
-                tensor.raw_data = data
+                self.inline_tensor(tensor)
 
     def externalize(self, model: onnx.ModelProto) -> None:
         """Copy input-file tensors and big inline tensors of ``model`` into the output's data file."""
@@ -319,6 +323,10 @@ class TensorStore:
                 location, offset, length = external_info(tensor)
                 if not os.path.isabs(location):
                     continue  # already in the output's data file
+                if (length or 0) < EXTERNAL_MIN_BYTES:
+                    # The same rule as for inline tensors: the output does not depend on where the input kept it.
+                    self.inline_tensor(tensor)
+                    continue
                 with open(location, "rb") as src:
                     new_offset = self.sink.copy_from(src, offset, length or 0, self.progress)
                 set_external(tensor, self.sink.data_name, new_offset, length or 0)
@@ -361,18 +369,39 @@ def _split_fields(data: bytes, *bounds: int) -> list[bytes]:
     return [bytes(r) for r in runs]
 
 
+def _graph_size(graph: onnx.GraphProto) -> int:
+    """``graph.ByteSize()`` one node and initializer at a time (upb's ByteSize serializes the whole message)."""
+    size = _without(graph, ("node", "initializer")).ByteSize()
+    for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
+        for item in items:
+            n = item.ByteSize()
+            size += len(_field_head(field, n)) + n
+    return size
+
+
+def model_size(model: onnx.ModelProto) -> int:
+    """``model.ByteSize()`` without a serialized copy of the whole model in memory."""
+    if not model.HasField("graph"):
+        return model.ByteSize()
+    graph = _graph_size(model.graph)
+    return _without(model, ("graph",)).ByteSize() + len(_field_head(_MODEL_GRAPH, graph)) + graph
+
+
 def write_model(f: BinaryIO, model: onnx.ModelProto) -> None:
     """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time."""
     graph = model.graph
     # Protobuf writes fields in field-number order: ModelProto.graph is 7; GraphProto.node 1, initializer 5.
     before, after = _split_fields(_without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
     _, middle, rest = _split_fields(_without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
-    f.write(before + _field_head(_MODEL_GRAPH, graph.ByteSize()))
-    for node in graph.node:
-        f.write(_field_head(1, node.ByteSize()) + node.SerializeToString())
-    f.write(middle)
-    for tensor in graph.initializer:
-        f.write(_field_head(_GRAPH_INITIALIZER, tensor.ByteSize()) + tensor.SerializeToString())
+    f.write(before + _field_head(_MODEL_GRAPH, _graph_size(graph)))
+    for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
+        for item in items:
+            data = item.SerializeToString()
+            f.write(_field_head(field, len(data)))
+            f.write(data)  # not joined to its head: that would be a second copy of a big tensor
+            del data
+        if field == 1:
+            f.write(middle)
     f.write(rest + after)
 
 
@@ -434,7 +463,7 @@ class OutputFiles:
     def commit(self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False) -> bool:
         """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external."""
         assert self._data is not None
-        external = external_data or model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external = external_data or model_size(model) + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
         self._data.flush()
         if external:
             store.externalize(model)

@@ -12,39 +12,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from cim_int4.exporter.convert import int4_bytes
 
+from cim_int4.bench.convert_memory import conversion_peak
 from cim_int4.genai_bench import decoder_file
-
-# argv: mode ("genai" or "convert"), source, output, external ("1" or "0"). Prints baseline and peak bytes.
-CHILD = """
-import sys
-from cim_int4.bench.memory_child import vm_status
-from cim_int4.exporter.convert import convert_file
-from cim_int4.genai import prepare
-baseline = vm_status()["VmRSS"]
-mode, source, output, external = sys.argv[1:5]
-if mode == "genai":
-    prepare(source, output, quiet=True)
-else:
-    convert_file(source, output, quiet=True, external_data=external == "1")
-print(baseline, vm_status()["VmHWM"])
-"""
-
-
-def peak(mode: str, source: Path, output: Path, external: bool = False) -> tuple[int, int]:
-    """(RSS after the imports, peak RSS) of one conversion in a fresh process."""
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(source), str(output), "1" if external else "0"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return int(out[0]), int(out[1])
 
 
 def main() -> None:
@@ -65,7 +38,7 @@ def main() -> None:
     ]
     try:
         for mode, source, output, external in runs:
-            base, hwm = peak(mode, source, output, external)
+            base, hwm = conversion_peak(mode, source, output, external)
             label = f"{mode}{' --external-data' if external else ''}"
             print(
                 f"{label:24s} peak RSS {hwm / 1e6:7.0f} MB ({hwm / weights:.2f}x int4), "
