@@ -84,8 +84,11 @@ def _constant(consts: Scope, node: onnx.NodeProto, slot: int, what: str) -> np.n
     name = node.input[slot]
     tensor = consts.initializers.get(name)
     # A relative location was never resolved (read_model makes them absolute for TensorStore.read).
-    if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data and not (
-        os.path.isabs(external_info(tensor)[0])
+    if (
+        tensor is not None
+        and tensor.data_location == onnx.TensorProto.EXTERNAL
+        and not tensor.raw_data
+        and not os.path.isabs(external_info(tensor)[0])
     ):
         raise ExportError(
             f"{what} {name!r} of node {node.name!r} is in external data that was not loaded; "
@@ -272,7 +275,7 @@ def convert_file(
         with OutputFiles(output, input_files) as files:
             store = TensorStore(files)
             summary = _convert_in_place(model, compute, store.read)
-            files.commit(model, store, external_data=external_data)
+            files.commit(model, store, external_data=external_data, consume=True)
     except ModelFileError as e:
         raise ExportError(str(e)) from e
     except OSError as e:

@@ -13,10 +13,11 @@ a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -302,6 +303,12 @@ class TensorStore:
             offset = self.sink.append(tensor.raw_data)
             set_external(tensor, self.sink.data_name, offset, len(tensor.raw_data))
 
+    def copy_to(self, tensor: onnx.TensorProto, dst: BinaryIO) -> None:
+        """Write the bytes of an external ``tensor`` to ``dst`` in chunks."""
+        location, offset, length = external_info(tensor)
+        with open(self._path(location), "rb") as src:
+            _copy(src, offset, tensor_nbytes(tensor) if length is None else length, dst.write, self.progress)
+
     def inline_tensor(self, tensor: onnx.TensorProto) -> None:
         """Read an external ``tensor`` back into the proto."""
         data = self.read_bytes(tensor)
@@ -309,9 +316,12 @@ class TensorStore:
         tensor.ClearField("data_location")
         tensor.raw_data = data
 
-    def inline(self, model: onnx.ModelProto) -> None:
-        """Read every external tensor of ``model`` back into the proto."""
-        for tensor in iter_tensors(model.graph):
+    def inline(self, model: onnx.ModelProto, *, graph_initializers: bool = True) -> None:
+        """Read every external tensor of ``model`` back into the proto (the main graph's initializers if asked)."""
+        tensors = iter_tensors(model.graph)
+        if not graph_initializers:  # iter_tensors yields them first
+            tensors = itertools.islice(tensors, len(model.graph.initializer), None)
+        for tensor in tensors:
             if tensor.data_location == _EXTERNAL:
                 self.inline_tensor(tensor)
 
@@ -369,12 +379,29 @@ def _split_fields(data: bytes, *bounds: int) -> list[bytes]:
     return [bytes(r) for r in runs]
 
 
-def _graph_size(graph: onnx.GraphProto) -> int:
+def _inline_parts(tensor: onnx.TensorProto) -> tuple[bytes, bytes, int]:
+    """(fields up to raw_data's head, fields after raw_data, data length) of external ``tensor`` serialized inline."""
+    _, _, length = external_info(tensor)
+    length = tensor_nbytes(tensor) if length is None else length
+    plain = _without(tensor, ("raw_data", "external_data", "data_location"))
+    before, after = _split_fields(plain.SerializeToString(), _TENSOR_RAW_DATA)
+    return before + _field_head(_TENSOR_RAW_DATA, length), after, length
+
+
+def _item_size(item: onnx.NodeProto | onnx.TensorProto, streamed: bool) -> int:
+    """Serialized size of a node or initializer (an external initializer as if inline when ``streamed``)."""
+    if streamed and isinstance(item, onnx.TensorProto) and item.data_location == _EXTERNAL:
+        before, after, length = _inline_parts(item)
+        return len(before) + length + len(after)
+    return item.ByteSize()
+
+
+def _graph_size(graph: onnx.GraphProto, streamed: bool = False) -> int:
     """``graph.ByteSize()`` one node and initializer at a time (upb's ByteSize serializes the whole message)."""
     size = _without(graph, ("node", "initializer")).ByteSize()
     for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
         for item in items:
-            n = item.ByteSize()
+            n = _item_size(item, streamed)
             size += len(_field_head(field, n)) + n
     return size
 
@@ -387,22 +414,46 @@ def model_size(model: onnx.ModelProto) -> int:
     return _without(model, ("graph",)).ByteSize() + len(_field_head(_MODEL_GRAPH, graph)) + graph
 
 
-def write_model(f: BinaryIO, model: onnx.ModelProto) -> None:
-    """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time."""
+def write_model(f: BinaryIO, model: onnx.ModelProto, store: TensorStore | None = None) -> None:
+    """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time.
+
+    With ``store``, the main graph's external initializers are written inline, copied from their
+    file in chunks (never held whole); without, the model's tensors must be inline.
+    """
     graph = model.graph
+    streamed = store is not None
     # Protobuf writes fields in field-number order: ModelProto.graph is 7; GraphProto.node 1, initializer 5.
     before, after = _split_fields(_without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
     _, middle, rest = _split_fields(_without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
-    f.write(before + _field_head(_MODEL_GRAPH, _graph_size(graph)))
-    for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
-        for item in items:
-            data = item.SerializeToString()
-            f.write(_field_head(field, len(data)))
+    f.write(before + _field_head(_MODEL_GRAPH, _graph_size(graph, streamed)))
+    for node in graph.node:
+        f.write(_field_head(1, node.ByteSize()) + node.SerializeToString())
+    f.write(middle)
+    for tensor in graph.initializer:
+        if store is not None and tensor.data_location == _EXTERNAL:
+            head, tail, length = _inline_parts(tensor)
+            f.write(_field_head(_GRAPH_INITIALIZER, len(head) + length + len(tail)) + head)
+            store.copy_to(tensor, f)
+            f.write(tail)
+        else:
+            data = tensor.SerializeToString()
+            f.write(_field_head(_GRAPH_INITIALIZER, len(data)))
             f.write(data)  # not joined to its head: that would be a second copy of a big tensor
             del data
-        if field == 1:
-            f.write(middle)
     f.write(rest + after)
+
+
+def _copy(src: BinaryIO, offset: int, length: int, write: Callable[[bytes], object], progress: Progress) -> None:
+    """Pass ``length`` bytes of ``src`` from ``offset`` to ``write`` in chunks."""
+    src.seek(offset)
+    left = length
+    while left:
+        chunk = src.read(min(left, _COPY_CHUNK))
+        if not chunk:
+            raise ModelFileError(f"{src.name} ends before the tensor's {length} bytes at offset {offset}")
+        write(chunk)
+        progress.update(len(chunk))
+        left -= len(chunk)
 
 
 def _create(path: Path) -> BinaryIO:
@@ -449,29 +500,28 @@ class OutputFiles:
     def copy_from(self, src: BinaryIO, offset: int, length: int, progress: Progress) -> int:
         """Append ``length`` bytes of ``src`` from ``offset``, in chunks; the offset in the data file."""
         start = self._size
-        src.seek(offset)
-        left = length
-        while left:
-            chunk = src.read(min(left, _COPY_CHUNK))
-            if not chunk:
-                raise ModelFileError(f"{src.name} ends before the tensor's {length} bytes at offset {offset}")
-            self.append(chunk)
-            progress.update(len(chunk))
-            left -= len(chunk)
+        _copy(src, offset, length, self.append, progress)
         return start
 
-    def commit(self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False) -> bool:
-        """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external."""
+    def commit(
+        self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False, consume: bool = False
+    ) -> bool:
+        """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external.
+
+        Without external data, ``model`` ends complete (its tensors read in), unless ``consume``
+        (the caller drops it): then its initializers are copied from their files, never held.
+        """
         assert self._data is not None
         external = external_data or model_size(model) + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
         self._data.flush()
+        stream = consume and not external
         if external:
             store.externalize(model)
         else:
-            store.inline(model)
-        self._data.close()
+            store.inline(model, graph_initializers=not stream)
         with _create(self.tmp_model) as f:
-            write_model(f, model)
+            write_model(f, model, store if stream else None)
+        self._data.close()
         if external:
             os.replace(self.tmp_data, self.final_data)
         os.replace(self.tmp_model, self.out)

@@ -75,6 +75,16 @@ def reference(src: Path, out: Path, external_data: bool) -> None:
     save_model(from_matmulnbits(load_model(src)), out, external_data=external_data)
 
 
+def with_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` plus a Gather from an FP32 table that stays as it is (big enough to be read lazily)."""
+    rng = np.random.default_rng(3)
+    model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal((300, 8)).astype(np.float32), "emb"))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1, 7, 299], np.int64), "ids"))
+    model.graph.node.append(helper.make_node("Gather", ["emb", "ids"], ["rows"], name="gather"))
+    model.graph.output.append(helper.make_tensor_value_info("rows", TensorProto.FLOAT, [3, 8]))
+    return model
+
+
 def files_of(output: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in output.parent.iterdir() if p.name.startswith(output.name)}
 
@@ -83,7 +93,7 @@ def files_of(output: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("input_external", [False, True])
 def test_convert_file_writes_the_same_bytes(input_external: bool, external_data: bool, tmp_path: Path) -> None:
     src = tmp_path / "nbits.onnx"
-    model = ort_nbits(fp32_model())
+    model = with_embedding(ort_nbits(fp32_model()))
     if input_external:  # every tensor external, even those too small for the output's data file
         onnx.save_model(model, src, save_as_external_data=True, size_threshold=0, location="nbits.onnx.data")
     else:
