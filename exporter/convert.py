@@ -25,10 +25,10 @@ from onnx import helper, numpy_helper
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
-from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes
+from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
 from .quantize import SUPPORTED_GROUP_SIZES
 from .rewrite import Skipped, drop_stray_imports
-from .subgraph import drop_unused
+from .subgraph import drop_unused, used_names
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
@@ -186,12 +186,17 @@ class NothingToConvert(ExportError):
 
 
 def _convert_in_place(
-    model: onnx.ModelProto, compute: str, load: Callable[[onnx.TensorProto], np.ndarray] | None = None
+    model: onnx.ModelProto,
+    compute: str,
+    load: Callable[[onnx.TensorProto], np.ndarray] | None = None,
+    initializers_of: onnx.GraphProto | None = None,
 ) -> ConvertSummary:
     """Convert ``model`` itself, for callers that own it; ``load`` reads an initializer (default: its inline data).
 
-    The only conversion: convert_with_summary runs it on a copy; convert_file on a model whose
-    weights stay in their file (read one node at a time by ``load``), so no whole copy is held.
+    The only conversion: convert_with_summary runs it on a copy without the main graph's
+    initializers, which come from ``initializers_of`` (the caller's graph, only read), and only
+    those still used are copied; convert_file on a model whose weights stay in their file (read
+    one node at a time by ``load``). Either way no whole copy of the weights is held.
     """
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
@@ -200,7 +205,8 @@ def _convert_in_place(
     except ValueError as e:
         raise ExportError(str(e)) from None
     graph = model.graph
-    consts = Scope(graph, fold_inputs=False, load=load)  # an overridable B or scales is the caller's to feed
+    # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
+    consts = Scope(initializers_of or graph, fold_inputs=False, load=load)
     summary = ConvertSummary()
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -214,6 +220,9 @@ def _convert_in_place(
         summary.converted.append(done)
     if not summary.converted:
         raise NothingToConvert(summary)
+    if initializers_of is not None:  # in their order, so drop_unused leaves what it would leave in a whole copy
+        read = used_names(graph) | {i.name for i in graph.input}
+        graph.initializer.extend(t for t in initializers_of.initializer if t.name in read)
     drop_unused(graph, folded=set(), folded_inputs=set())
     if not any(o.domain == OP_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
@@ -228,9 +237,9 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
     ``model`` is left as it is. Raises NothingToConvert (an ExportError) if no node converts
     (the message lists why for each).
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out, _convert_in_place(out, compute)
+    out = without(model, ("graph",))
+    out.graph.CopyFrom(without(model.graph, ("initializer",)))
+    return out, _convert_in_place(out, compute, initializers_of=model.graph)
 
 
 def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.ModelProto:

@@ -356,7 +356,7 @@ class TensorStore:
         return total
 
 
-def _without(message, names: tuple[str, ...]):
+def without(message, names: tuple[str, ...]):  # noqa: ANN001, ANN201 - any protobuf message
     """A copy of ``message`` without the fields ``names`` (which are not copied at all)."""
     head = type(message)()
     for fd, value in message.ListFields():
@@ -383,7 +383,7 @@ def _inline_parts(tensor: onnx.TensorProto) -> tuple[bytes, bytes, int]:
     """(fields up to raw_data's head, fields after raw_data, data length) of external ``tensor`` serialized inline."""
     _, _, length = external_info(tensor)
     length = tensor_nbytes(tensor) if length is None else length
-    plain = _without(tensor, ("raw_data", "external_data", "data_location"))
+    plain = without(tensor, ("raw_data", "external_data", "data_location"))
     before, after = _split_fields(plain.SerializeToString(), _TENSOR_RAW_DATA)
     return before + _field_head(_TENSOR_RAW_DATA, length), after, length
 
@@ -398,7 +398,7 @@ def _item_size(item: onnx.NodeProto | onnx.TensorProto, streamed: bool) -> int:
 
 def _graph_size(graph: onnx.GraphProto, streamed: bool = False) -> int:
     """``graph.ByteSize()`` one node and initializer at a time (upb's ByteSize serializes the whole message)."""
-    size = _without(graph, ("node", "initializer")).ByteSize()
+    size = without(graph, ("node", "initializer")).ByteSize()
     for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
         for item in items:
             n = _item_size(item, streamed)
@@ -411,7 +411,7 @@ def model_size(model: onnx.ModelProto) -> int:
     if not model.HasField("graph"):
         return model.ByteSize()
     graph = _graph_size(model.graph)
-    return _without(model, ("graph",)).ByteSize() + len(_field_head(_MODEL_GRAPH, graph)) + graph
+    return without(model, ("graph",)).ByteSize() + len(_field_head(_MODEL_GRAPH, graph)) + graph
 
 
 def write_model(f: BinaryIO, model: onnx.ModelProto, store: TensorStore | None = None) -> None:
@@ -423,8 +423,8 @@ def write_model(f: BinaryIO, model: onnx.ModelProto, store: TensorStore | None =
     graph = model.graph
     streamed = store is not None
     # Protobuf writes fields in field-number order: ModelProto.graph is 7; GraphProto.node 1, initializer 5.
-    before, after = _split_fields(_without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
-    _, middle, rest = _split_fields(_without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
+    before, after = _split_fields(without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
+    _, middle, rest = _split_fields(without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
     f.write(before + _field_head(_MODEL_GRAPH, _graph_size(graph, streamed)))
     for node in graph.node:
         f.write(_field_head(1, node.ByteSize()) + node.SerializeToString())
