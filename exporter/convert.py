@@ -206,7 +206,7 @@ def _convert_in_place(
         raise ExportError(str(e)) from None
     graph = model.graph
     # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
-    consts = Scope(initializers_of or graph, fold_inputs=False, load=load)
+    consts = Scope(graph if initializers_of is None else initializers_of, fold_inputs=False, load=load)
     summary = ConvertSummary()
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
