@@ -87,21 +87,29 @@ def check_output_path(source: str | os.PathLike, output: str | os.PathLike) -> N
 
 
 def save_model(
-    model: onnx.ModelProto, output: str | os.PathLike, *, quiet: bool = True, external_data: bool = False
+    model: onnx.ModelProto,
+    output: str | os.PathLike,
+    *,
+    quiet: bool = True,
+    external_data: bool = False,
+    consume: bool = False,
 ) -> None:
     """Write ``model`` to ``output`` atomically; tensors go to ``<output>.data`` when over 1 GiB or ``external_data``.
 
     ``external_data=True`` halves what ORT keeps of the weights in a session loaded from ``output``
-    (README, "Session memory").
+    (README, "Session memory"). ``consume=True``: the caller hands ``model`` over, and its tensors
+    move out of it instead of out of a copy (no second copy of the weights in memory); do not
+    use ``model`` afterwards.
     """
     try:
         with OutputFiles(output) as files:
-            if external_data or model.ByteSize() > io.EXTERNAL_DATA_THRESHOLD:
+            size = io.model_size(model)
+            if not consume and (external_data or size > io.EXTERNAL_DATA_THRESHOLD):
                 # Tensors move out of the proto that is saved; the caller's model must stay whole.
                 copy = onnx.ModelProto()
                 copy.CopyFrom(model)
                 model = copy
-            store = TensorStore(files, Progress(model.ByteSize(), quiet))
+            store = TensorStore(files, Progress(size, quiet))
             files.commit(model, store, external_data=external_data)
     except ModelFileError as e:
         raise ExportError(str(e)) from e

@@ -15,6 +15,7 @@ levels compute in FP32. Nodes that do not match are left as they are, with the r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,11 +23,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
-from .api import ExportError, check_output_path, load_model, max_ir_version, save_model
+from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
+from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
 from .quantize import SUPPORTED_GROUP_SIZES
 from .rewrite import Skipped, drop_stray_imports
-from .subgraph import drop_unused
+from .subgraph import drop_unused, used_names
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
@@ -81,7 +83,13 @@ def _input(node: onnx.NodeProto, slot: int) -> str:
 def _constant(consts: Scope, node: onnx.NodeProto, slot: int, what: str) -> np.ndarray:
     name = node.input[slot]
     tensor = consts.initializers.get(name)
-    if tensor is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+    # A relative location was never resolved (read_model makes them absolute for TensorStore.read).
+    if (
+        tensor is not None
+        and tensor.data_location == onnx.TensorProto.EXTERNAL
+        and not tensor.raw_data
+        and not os.path.isabs(external_info(tensor)[0])
+    ):
         raise ExportError(
             f"{what} {name!r} of node {node.name!r} is in external data that was not loaded; "
             "load the model from its file (onnx.load(path) or cim_int4.exporter.load_model)"
@@ -166,22 +174,39 @@ def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[on
     return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
 
 
-def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
-    """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
+class NothingToConvert(ExportError):
+    """No MatMulNBits node converts; ``summary`` says why for each (none skipped: the model has none)."""
 
-    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
-    Raises ExportError if no node converts (the message lists why for each).
+    def __init__(self, summary: ConvertSummary) -> None:
+        if summary.skipped:
+            super().__init__(f"no {NBITS_OP} node could be converted\n{summary.format()}")
+        else:
+            super().__init__(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
+        self.summary = summary
+
+
+def _convert_in_place(
+    model: onnx.ModelProto,
+    compute: str,
+    load: Callable[[onnx.TensorProto], np.ndarray] | None = None,
+    initializers_of: onnx.GraphProto | None = None,
+) -> ConvertSummary:
+    """Convert ``model`` itself, for callers that own it; ``load`` reads an initializer (default: its inline data).
+
+    The only conversion: convert_with_summary runs it on a copy without the main graph's
+    initializers, which come from ``initializers_of`` (the caller's graph, only read), and only
+    those still used are copied; convert_file on a model whose weights stay in their file (read
+    one node at a time by ``load``). Either way no whole copy of the weights is held.
     """
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
     try:
-        drop_stray_imports(out)  # an import left by ORT's transformers optimizer, with no node
+        drop_stray_imports(model)  # an import left by ORT's transformers optimizer, with no node
     except ValueError as e:
         raise ExportError(str(e)) from None
-    graph = out.graph
-    consts = Scope(graph, fold_inputs=False)  # an overridable B or scales is the caller's to feed
+    graph = model.graph
+    # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
+    consts = Scope(graph if initializers_of is None else initializers_of, fold_inputs=False, load=load)
     summary = ConvertSummary()
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -194,14 +219,27 @@ def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple
         graph.node[index].CopyFrom(new)
         summary.converted.append(done)
     if not summary.converted:
-        if not summary.skipped:
-            raise ExportError(f"no {NBITS_DOMAIN} {NBITS_OP} node in the model; nothing to convert")
-        raise ExportError(f"no {NBITS_OP} node could be converted\n{summary.format()}")
+        raise NothingToConvert(summary)
+    if initializers_of is not None:  # in their order, so drop_unused leaves what it would leave in a whole copy
+        read = used_names(graph) | {i.name for i in graph.input}
+        graph.initializer.extend(t for t in initializers_of.initializer if t.name in read)
     drop_unused(graph, folded=set(), folded_inputs=set())
-    if not any(o.domain == OP_DOMAIN for o in out.opset_import):
-        out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
-    out.ir_version = min(out.ir_version, max_ir_version())
-    return out, summary
+    if not any(o.domain == OP_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    model.ir_version = min(model.ir_version, max_ir_version())
+    return summary
+
+
+def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
+    """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
+
+    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
+    ``model`` is left as it is. Raises NothingToConvert (an ExportError) if no node converts
+    (the message lists why for each).
+    """
+    out = without(model, ("graph",))
+    out.graph.CopyFrom(without(model.graph, ("initializer",)))
+    return out, _convert_in_place(out, compute, initializers_of=model.graph)
 
 
 def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.ModelProto:
@@ -210,6 +248,20 @@ def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.Mode
     Load a model with external data from its file first (``cim_int4.exporter.load_model``).
     """
     return convert_with_summary(model, compute)[0]
+
+
+def int4_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the B and scales initializers of the MatMulNBits nodes in the model file ``path`` (weights not read)."""
+    model, _ = read_model(path)
+    initializers = {t.name: t for t in model.graph.initializer}
+    names = {
+        n.input[slot]
+        for n in model.graph.node
+        if n.op_type == NBITS_OP and n.domain == NBITS_DOMAIN
+        for slot in (_B, _SCALES)
+        if len(n.input) > slot
+    }
+    return sum(tensor_nbytes(initializers[name]) for name in names if name in initializers)
 
 
 def convert_file(
@@ -222,11 +274,21 @@ def convert_file(
 ) -> ConvertSummary:
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
+    Reads one node's weights at a time: memory peaks near the int4 weights once (README, "convert").
+
     ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
     """
-    check_output_path(source, output)
-    converted, summary = convert_with_summary(load_model(source), compute)
-    save_model(converted, output, external_data=external_data)
+    try:
+        # Weights stay in the input files until written: memory holds the converted weights, not the model.
+        model, input_files = read_model(source)
+        with OutputFiles(output, input_files) as files:
+            store = TensorStore(files)
+            summary = _convert_in_place(model, compute, store.read)
+            files.commit(model, store, external_data=external_data, consume=True)
+    except ModelFileError as e:
+        raise ExportError(str(e)) from e
+    except OSError as e:
+        raise ExportError(f"{e.filename or output}: {e.strerror or e}") from e
     if not quiet:
         print(summary.format())
         print(f"cim-int4: wrote {output}")

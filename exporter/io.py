@@ -13,10 +13,11 @@ a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -73,7 +74,8 @@ def set_external(tensor: onnx.TensorProto, location: str, offset: int, length: i
         tensor.external_data.add(key=key, value=value)
 
 
-def _nbytes(tensor: onnx.TensorProto) -> int:
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of ``tensor``'s values, from its shape and type (whether inline or external)."""
     count = int(np.prod(tensor.dims, dtype=np.int64))
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
@@ -187,8 +189,8 @@ def _check_external(tensor: onnx.TensorProto, model_path: Path, base: str) -> st
             pass
     except OSError as e:
         raise ModelFileError(f"{where}: cannot read {full} ({e.strerror})") from e
-    need = offset + (_nbytes(tensor) if length is None else length)
-    if offset < 0 or (length is not None and length != _nbytes(tensor)):
+    need = offset + (tensor_nbytes(tensor) if length is None else length)
+    if offset < 0 or (length is not None and length != tensor_nbytes(tensor)):
         raise ModelFileError(f"{where}: offset {offset} / length {length} do not fit shape {list(tensor.dims)}")
     if need > os.path.getsize(full):
         raise ModelFileError(f"{where}: {full} has {os.path.getsize(full)} bytes, the tensor needs {need}")
@@ -229,7 +231,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[str]]:
         if os.path.isabs(location) and location == real:
             continue  # a lazy inline tensor of the model file itself
         full = _check_external(tensor, p, base)
-        set_external(tensor, full, offset, _nbytes(tensor) if length is None else length)
+        set_external(tensor, full, offset, tensor_nbytes(tensor) if length is None else length)
         if full not in files:
             files.append(full)
     return model, files
@@ -276,7 +278,7 @@ class TensorStore:
         location, offset, length = external_info(tensor)
         with open(self._path(location), "rb") as f:
             f.seek(offset)
-            data = f.read(length if length is not None else _nbytes(tensor))
+            data = f.read(length if length is not None else tensor_nbytes(tensor))
         self.progress.update(len(data))
         return data
 
@@ -301,14 +303,27 @@ class TensorStore:
             offset = self.sink.append(tensor.raw_data)
             set_external(tensor, self.sink.data_name, offset, len(tensor.raw_data))
 
-    def inline(self, model: onnx.ModelProto) -> None:
-        """Read every external tensor of ``model`` back into the proto."""
-        for tensor in iter_tensors(model.graph):
+    def copy_to(self, tensor: onnx.TensorProto, dst: BinaryIO) -> None:
+        """Write the bytes of an external ``tensor`` to ``dst`` in chunks."""
+        location, offset, length = external_info(tensor)
+        with open(self._path(location), "rb") as src:
+            _copy(src, offset, tensor_nbytes(tensor) if length is None else length, dst.write, self.progress)
+
+    def inline_tensor(self, tensor: onnx.TensorProto) -> None:
+        """Read an external ``tensor`` back into the proto."""
+        data = self.read_bytes(tensor)
+        del tensor.external_data[:]
+        tensor.ClearField("data_location")
+        tensor.raw_data = data
+
+    def inline(self, model: onnx.ModelProto, *, graph_initializers: bool = True) -> None:
+        """Read every external tensor of ``model`` back into the proto (the main graph's initializers if asked)."""
+        tensors = iter_tensors(model.graph)
+        if not graph_initializers:  # iter_tensors yields them first
+            tensors = itertools.islice(tensors, len(model.graph.initializer), None)
+        for tensor in tensors:
             if tensor.data_location == _EXTERNAL:
-                data = self.read_bytes(tensor)
-                del tensor.external_data[:]
-                tensor.ClearField("data_location")
-                tensor.raw_data = data
+                self.inline_tensor(tensor)
 
     def externalize(self, model: onnx.ModelProto) -> None:
         """Copy input-file tensors and big inline tensors of ``model`` into the output's data file."""
@@ -318,6 +333,10 @@ class TensorStore:
                 location, offset, length = external_info(tensor)
                 if not os.path.isabs(location):
                     continue  # already in the output's data file
+                if (length or 0) < EXTERNAL_MIN_BYTES:
+                    # The same rule as for inline tensors: the output does not depend on where the input kept it.
+                    self.inline_tensor(tensor)
+                    continue
                 with open(location, "rb") as src:
                     new_offset = self.sink.copy_from(src, offset, length or 0, self.progress)
                 set_external(tensor, self.sink.data_name, new_offset, length or 0)
@@ -333,11 +352,11 @@ class TensorStore:
         for tensor in iter_tensors(model.graph):
             if tensor.data_location == _EXTERNAL:
                 _, _, length = external_info(tensor)
-                total += _nbytes(tensor) if length is None else length
+                total += tensor_nbytes(tensor) if length is None else length
         return total
 
 
-def _without(message, names: tuple[str, ...]):
+def without(message, names: tuple[str, ...]):  # noqa: ANN001, ANN201 - any protobuf message
     """A copy of ``message`` without the fields ``names`` (which are not copied at all)."""
     head = type(message)()
     for fd, value in message.ListFields():
@@ -360,19 +379,81 @@ def _split_fields(data: bytes, *bounds: int) -> list[bytes]:
     return [bytes(r) for r in runs]
 
 
-def write_model(f: BinaryIO, model: onnx.ModelProto) -> None:
-    """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time."""
+def _inline_parts(tensor: onnx.TensorProto) -> tuple[bytes, bytes, int]:
+    """(fields up to raw_data's head, fields after raw_data, data length) of external ``tensor`` serialized inline."""
+    _, _, length = external_info(tensor)
+    length = tensor_nbytes(tensor) if length is None else length
+    plain = without(tensor, ("raw_data", "external_data", "data_location"))
+    before, after = _split_fields(plain.SerializeToString(), _TENSOR_RAW_DATA)
+    return before + _field_head(_TENSOR_RAW_DATA, length), after, length
+
+
+def _item_size(item: onnx.NodeProto | onnx.TensorProto, streamed: bool) -> int:
+    """Serialized size of a node or initializer (an external initializer as if inline when ``streamed``)."""
+    if streamed and isinstance(item, onnx.TensorProto) and item.data_location == _EXTERNAL:
+        before, after, length = _inline_parts(item)
+        return len(before) + length + len(after)
+    return item.ByteSize()
+
+
+def _graph_size(graph: onnx.GraphProto, streamed: bool = False) -> int:
+    """``graph.ByteSize()`` one node and initializer at a time (upb's ByteSize serializes the whole message)."""
+    size = without(graph, ("node", "initializer")).ByteSize()
+    for field, items in ((1, graph.node), (_GRAPH_INITIALIZER, graph.initializer)):
+        for item in items:
+            n = _item_size(item, streamed)
+            size += len(_field_head(field, n)) + n
+    return size
+
+
+def model_size(model: onnx.ModelProto) -> int:
+    """``model.ByteSize()`` without a serialized copy of the whole model in memory."""
+    if not model.HasField("graph"):
+        return model.ByteSize()
+    graph = _graph_size(model.graph)
+    return without(model, ("graph",)).ByteSize() + len(_field_head(_MODEL_GRAPH, graph)) + graph
+
+
+def write_model(f: BinaryIO, model: onnx.ModelProto, store: TensorStore | None = None) -> None:
+    """Write ``model.SerializeToString()`` to ``f`` holding one node's or initializer's bytes at a time.
+
+    With ``store``, the main graph's external initializers are written inline, copied from their
+    file in chunks (never held whole); without, the model's tensors must be inline.
+    """
     graph = model.graph
+    streamed = store is not None
     # Protobuf writes fields in field-number order: ModelProto.graph is 7; GraphProto.node 1, initializer 5.
-    before, after = _split_fields(_without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
-    _, middle, rest = _split_fields(_without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
-    f.write(before + _field_head(_MODEL_GRAPH, graph.ByteSize()))
+    before, after = _split_fields(without(model, ("graph",)).SerializeToString(), _MODEL_GRAPH)
+    _, middle, rest = _split_fields(without(graph, ("node", "initializer")).SerializeToString(), 1, _GRAPH_INITIALIZER)
+    f.write(before + _field_head(_MODEL_GRAPH, _graph_size(graph, streamed)))
     for node in graph.node:
         f.write(_field_head(1, node.ByteSize()) + node.SerializeToString())
     f.write(middle)
     for tensor in graph.initializer:
-        f.write(_field_head(_GRAPH_INITIALIZER, tensor.ByteSize()) + tensor.SerializeToString())
+        if store is not None and tensor.data_location == _EXTERNAL:
+            head, tail, length = _inline_parts(tensor)
+            f.write(_field_head(_GRAPH_INITIALIZER, len(head) + length + len(tail)) + head)
+            store.copy_to(tensor, f)
+            f.write(tail)
+        else:
+            data = tensor.SerializeToString()
+            f.write(_field_head(_GRAPH_INITIALIZER, len(data)))
+            f.write(data)  # not joined to its head: that would be a second copy of a big tensor
+            del data
     f.write(rest + after)
+
+
+def _copy(src: BinaryIO, offset: int, length: int, write: Callable[[bytes], object], progress: Progress) -> None:
+    """Pass ``length`` bytes of ``src`` from ``offset`` to ``write`` in chunks."""
+    src.seek(offset)
+    left = length
+    while left:
+        chunk = src.read(min(left, _COPY_CHUNK))
+        if not chunk:
+            raise ModelFileError(f"{src.name} ends before the tensor's {length} bytes at offset {offset}")
+        write(chunk)
+        progress.update(len(chunk))
+        left -= len(chunk)
 
 
 def _create(path: Path) -> BinaryIO:
@@ -419,29 +500,28 @@ class OutputFiles:
     def copy_from(self, src: BinaryIO, offset: int, length: int, progress: Progress) -> int:
         """Append ``length`` bytes of ``src`` from ``offset``, in chunks; the offset in the data file."""
         start = self._size
-        src.seek(offset)
-        left = length
-        while left:
-            chunk = src.read(min(left, _COPY_CHUNK))
-            if not chunk:
-                raise ModelFileError(f"{src.name} ends before the tensor's {length} bytes at offset {offset}")
-            self.append(chunk)
-            progress.update(len(chunk))
-            left -= len(chunk)
+        _copy(src, offset, length, self.append, progress)
         return start
 
-    def commit(self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False) -> bool:
-        """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external."""
+    def commit(
+        self, model: onnx.ModelProto, store: TensorStore, *, external_data: bool = False, consume: bool = False
+    ) -> bool:
+        """Write ``model`` (with ``<out>.data`` when big or ``external_data``), rename into place; True if external.
+
+        Without external data, ``model`` ends complete (its tensors read in), unless ``consume``
+        (the caller drops it): then its initializers are copied from their files, never held.
+        """
         assert self._data is not None
-        external = external_data or model.ByteSize() + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external = external_data or model_size(model) + store.external_bytes(model) > EXTERNAL_DATA_THRESHOLD
         self._data.flush()
+        stream = consume and not external
         if external:
             store.externalize(model)
         else:
-            store.inline(model)
-        self._data.close()
+            store.inline(model, graph_initializers=not stream)
         with _create(self.tmp_model) as f:
-            write_model(f, model)
+            write_model(f, model, store if stream else None)
+        self._data.close()
         if external:
             os.replace(self.tmp_data, self.final_data)
         os.replace(self.tmp_model, self.out)

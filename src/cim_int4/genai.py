@@ -19,7 +19,7 @@ from pathlib import Path
 import onnx
 
 from .exporter import ExportError, NothingToQuantize, export_with_summary, load_model, save_model
-from .exporter.convert import NBITS_DOMAIN, NBITS_OP, convert_with_summary
+from .exporter.convert import NothingToConvert, convert_file
 from .ops.library import LIBRARY_NAME, library_path
 
 CONFIG_NAME = "genai_config.json"
@@ -55,20 +55,23 @@ def copy_folder(src: Path, dst: Path, skip: set[Path]) -> None:
     )
 
 
-def _rewrite(path: Path, compute: str, group_size: int) -> tuple[onnx.ModelProto | None, str]:
-    """The model at ``path`` with CimInt4MatMul nodes (None if nothing to do), and what was done."""
+def _rewrite(path: Path, output: Path, compute: str, group_size: int) -> tuple[bool, str]:
+    """Write the model at ``path`` with CimInt4MatMul nodes to ``output``; (False if nothing to do, what was done)."""
+    try:
+        return True, convert_file(path, output, compute=compute, quiet=True, external_data=True).format()
+    except NothingToConvert as e:
+        if e.summary.skipped:  # MatMulNBits nodes, none convertible: not an FP32 model either
+            return False, str(e)
     model = load_model(path)
-    if any(n.op_type == NBITS_OP and n.domain == NBITS_DOMAIN for n in model.graph.node):
-        try:
-            converted, summary = convert_with_summary(model, compute)
-        except ExportError as e:
-            return None, str(e)
-        return converted, summary.format()
     try:
         quantized, summary = export_with_summary(model, group_size=group_size)
     except NothingToQuantize as e:
-        return None, str(e)
-    return quantized, summary.format()
+        return False, str(e)
+    del model  # the quantized model is all that is needed now
+    # External data: ORT keeps one copy of the weights instead of two (README "Session memory");
+    # genai's ORT (>= 1.31) resolves it from the model's folder.
+    save_model(quantized, output, external_data=True, consume=True)
+    return True, summary.format()
 
 
 def _model_sections(config: dict) -> dict[str, dict]:
@@ -119,14 +122,11 @@ def prepare(
             model_path = src / filename
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
-            rewritten, report = _rewrite(model_path, compute, group_size)
-            reports.append(f"{filename} (model.{name}):\n{report}")
-            if rewritten is None:
-                continue
             (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
-            # External data: ORT keeps one copy of the weights instead of two (README "Session
-            # memory"); genai's ORT (>= 1.31) resolves it from the model's folder.
-            save_model(rewritten, tmp / filename, external_data=True)
+            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size)
+            reports.append(f"{filename} (model.{name}):\n{report}")
+            if not rewritten:
+                continue
             replaced |= model_files(model_path)
             options = section.setdefault("session_options", {})
             if options.get(OPTION) not in (None, LIBRARY_NAME):
