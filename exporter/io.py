@@ -65,6 +65,12 @@ def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
     return info.get("location", ""), int(info.get("offset", 0) or 0), None if length is None else int(length)
 
 
+def external_span(tensor: onnx.TensorProto) -> tuple[str, int, int]:
+    """(location, offset, length) of an external tensor, the length from its shape when the entry has none."""
+    location, offset, length = external_info(tensor)
+    return location, offset, tensor_nbytes(tensor) if length is None else length
+
+
 def set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
     """Make ``tensor`` refer to ``length`` bytes at ``offset`` of ``location`` instead of holding them."""
     tensor.ClearField("raw_data")
@@ -227,11 +233,11 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[str]]:
     for tensor in iter_tensors(model.graph):
         if tensor.data_location != _EXTERNAL:
             continue
-        location, offset, length = external_info(tensor)
+        location, offset, length = external_span(tensor)
         if os.path.isabs(location) and location == real:
             continue  # a lazy inline tensor of the model file itself
         full = _check_external(tensor, p, base)
-        set_external(tensor, full, offset, tensor_nbytes(tensor) if length is None else length)
+        set_external(tensor, full, offset, length)
         if full not in files:
             files.append(full)
     return model, files
@@ -275,10 +281,10 @@ class TensorStore:
 
     def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
         """The raw bytes of an external ``tensor``."""
-        location, offset, length = external_info(tensor)
+        location, offset, length = external_span(tensor)
         with open(self._path(location), "rb") as f:
             f.seek(offset)
-            data = f.read(length if length is not None else tensor_nbytes(tensor))
+            data = f.read(length)
         self.progress.update(len(data))
         return data
 
@@ -305,9 +311,9 @@ class TensorStore:
 
     def copy_to(self, tensor: onnx.TensorProto, dst: BinaryIO) -> None:
         """Write the bytes of an external ``tensor`` to ``dst`` in chunks."""
-        location, offset, length = external_info(tensor)
+        location, offset, length = external_span(tensor)
         with open(self._path(location), "rb") as src:
-            _copy(src, offset, tensor_nbytes(tensor) if length is None else length, dst.write, self.progress)
+            _copy(src, offset, length, dst.write, self.progress)
 
     def inline_tensor(self, tensor: onnx.TensorProto) -> None:
         """Read an external ``tensor`` back into the proto."""
@@ -351,8 +357,7 @@ class TensorStore:
         total = 0
         for tensor in iter_tensors(model.graph):
             if tensor.data_location == _EXTERNAL:
-                _, _, length = external_info(tensor)
-                total += tensor_nbytes(tensor) if length is None else length
+                total += external_span(tensor)[2]
         return total
 
 
@@ -381,8 +386,7 @@ def _split_fields(data: bytes, *bounds: int) -> list[bytes]:
 
 def _inline_parts(tensor: onnx.TensorProto) -> tuple[bytes, bytes, int]:
     """(fields up to raw_data's head, fields after raw_data, data length) of external ``tensor`` serialized inline."""
-    _, _, length = external_info(tensor)
-    length = tensor_nbytes(tensor) if length is None else length
+    length = external_span(tensor)[2]
     plain = without(tensor, ("raw_data", "external_data", "data_location"))
     before, after = _split_fields(plain.SerializeToString(), _TENSOR_RAW_DATA)
     return before + _field_head(_TENSOR_RAW_DATA, length), after, length

@@ -82,9 +82,14 @@ def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -
     return np.concatenate(found) if found else np.zeros(0)
 
 
+def _worst(cosines: np.ndarray) -> float:
+    """The lowest of row cosines; 1.0 when there is none (no float output)."""
+    return float(min(cosines, default=1.0))
+
+
 def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
     """Worst cosine similarity between float outputs and their references, per index of the first axis."""
-    return float(min(row_cosines(reference, outputs), default=1.0))
+    return _worst(row_cosines(reference, outputs))
 
 
 def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
@@ -229,7 +234,7 @@ def plan(
         return row_cosines(reference, session.run(None, {**feeds, **int4}))
 
     def run(int4_layers: Sequence[int]) -> float:
-        return float(min(cosines(int4_layers, quantized), default=1.0))
+        return _worst(cosines(int4_layers, quantized))
 
     reference = session.run(None, dict(feeds))
     report.runs += 1
@@ -240,7 +245,7 @@ def plan(
         rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
         report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
         quantized = tried[report.rule_choice.chosen]
-        cosine_at[0] = float(min(rows[report.rule_choice.chosen], default=1.0))
+        cosine_at[0] = _worst(rows[report.rule_choice.chosen])
     else:
         quantized = quantize_all(options.scale_rule)
     if target_cosine == 0.0:
