@@ -1,4 +1,4 @@
-"""The ``cim-int4`` command: export, validate, demo, bench."""
+"""The ``cim-int4`` command: export, validate, demo, bench, serve."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .exporter.sensitivity import DEFAULT_TARGET_COSINE
 from .ops.reference import COMPUTE_MODES
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
+from .serving import commands as serving
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -291,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="latency of FP32 ORT, ORT MatMulNBits and CimInt4MatMul, with bandwidth")
     bench.add_arguments(p)
     p.set_defaults(func=bench.run)
+
+    p = sub.add_parser("serve", help="serve a model over HTTP on Ray Serve (pip install 'cim-int4[serve]')")
+    serving.add_serve_arguments(p)
+    p.set_defaults(func=serving.run_serve)
+
+    p = sub.add_parser("bench-serve", help="requests/s and latency through Ray Serve vs one plain process")
+    serving.add_bench_arguments(p)
+    p.set_defaults(func=serving.run_bench)
     return parser
 
 
@@ -311,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, MissingPlotting, ReferenceBackendUnavailable) as e:
+    except (ExportError, ValueError, MissingPlotting, ReferenceBackendUnavailable, serving.MissingServe) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -134,3 +134,26 @@ def plot_by_depth(
     ax.legend()
     ax.set_title(title)
     fig.savefig(path, dpi=110)
+
+
+def plot_lines(
+    path: str | os.PathLike,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log_y: bool = False,
+) -> None:
+    """One line with point markers per series, given as (x values, y values)."""
+    fig = _figure(8, 5)
+    ax = fig.subplots()
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.savefig(path, dpi=110)
