@@ -25,12 +25,12 @@ pytest.importorskip("ray.serve", reason="needs the serve extra: pip install 'cim
 import psutil  # noqa: E402 - a dependency of ray
 from cim_int4.exporter import export_with_summary, save_model  # noqa: E402
 from cim_int4.graphs import LlamaConfig, llama_decoder  # noqa: E402
+
+from cim_int4 import make_session  # noqa: E402
 from cim_int4.serving.app import ServeConfig, build_app, deploy  # noqa: E402
 from cim_int4.serving.commands import start_http, start_ray, stop  # noqa: E402
 from cim_int4.serving.cpus import LOCK_DIR_ENV, thread_affinities  # noqa: E402
 from cim_int4.serving.load import HOST, npz_body, send_load  # noqa: E402
-
-from cim_int4 import make_session  # noqa: E402
 
 HIDDEN = 128
 TIMEOUT_S = 60.0

@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from cim_int4.cli import main
 from cim_int4.serving import commands
 from cim_int4.serving.cpus import claim_cpus, claim_order
 from cim_int4.serving.tensors import (
@@ -22,8 +24,6 @@ from cim_int4.serving.tensors import (
     parse_request,
     split,
 )
-
-from cim_int4.cli import main
 
 SPECS = {
     "x": InputSpec("x", np.dtype(np.float32), (None, 3)),
@@ -65,11 +65,17 @@ GOOD_X = [[1.0, 2.0, 3.0]]
 BAD = {
     "unknown name": (json.dumps({"inputs": {"x": GOOD_X, "ids": [1], "z": [1]}}), "input 'z': not an input"),
     "missing input": (json.dumps({"inputs": {"x": GOOD_X}}), "input 'ids': missing (expected int64 [?])"),
-    "wrong rank": (json.dumps({"inputs": {"x": [1.0, 2.0, 3.0], "ids": [1]}}), "input 'x': expected shape float32 [?, 3]"),
+    "wrong rank": (
+        json.dumps({"inputs": {"x": [1.0, 2.0, 3.0], "ids": [1]}}),
+        "input 'x': expected shape float32 [?, 3]",
+    ),
     "wrong fixed dim": (json.dumps({"inputs": {"x": [[1.0, 2.0]], "ids": [1]}}), "got [1, 2]"),
     "no rows": (json.dumps({"inputs": {"x": GOOD_X, "ids": []}}), "input 'ids': expected shape int64 [?], got [0]"),
     "float for int": (json.dumps({"inputs": {"x": GOOD_X, "ids": [1.5]}}), "input 'ids': expected int64 values"),
-    "text": (json.dumps({"inputs": {"x": [["a", "b", "c"]], "ids": [1]}}), "input 'x': expected float32 values, got text"),
+    "text": (
+        json.dumps({"inputs": {"x": [["a", "b", "c"]], "ids": [1]}}),
+        "input 'x': expected float32 values, got text",
+    ),
     "ragged": (json.dumps({"inputs": {"x": [[1.0, 2.0, 3.0], [1.0]], "ids": [1, 2]}}), "input 'x': not a rectangular"),
     "malformed JSON": ('{"inputs": {"x": [[1.0,', "body is not valid JSON"),
     "not an object": (json.dumps([1, 2]), 'body must be a JSON object {"inputs"'),

@@ -271,8 +271,10 @@ def genai_deployment(folder: str | os.PathLike, config: ServeConfig) -> Applicat
             tokens = req.tokens if req.tokens is not None else list(self.tokenizer.encode(req.prompt))
             length = len(tokens) + req.max_tokens
             if self.context is not None and length > self.context:
-                raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens is {length}; the model's context "
-                                   f"length is {self.context}")
+                raise RequestError(
+                    f"prompt ({len(tokens)} tokens) + max_tokens is {length}; the model's context "
+                    f"length is {self.context}"
+                )
             params = self.og.GeneratorParams(self.model)
             params.set_search_options(max_length=length, min_length=len(tokens) + req.min_tokens, **req.search)
             generator = self.og.Generator(self.model, params)

@@ -78,16 +78,22 @@ def bench_serve(o: BenchOptions, progress=print) -> dict:  # noqa: ANN001
             for r in range(o.rounds):
                 points = [direct_point(model, feeds, o.requests, o.seconds, compute=o.compute)]
                 independence = cpu_independence(model, feeds[0], o.compute)
-                progress(f"round {r + 1}: plain loop {points[0].rps:.0f} req/s; two plain processes at once "
-                         f"{independence and f'{independence:.2f}x'} one")
+                progress(
+                    f"round {r + 1}: plain loop {points[0].rps:.0f} req/s; two plain processes at once "
+                    f"{independence and f'{independence:.2f}x'} one"
+                )
                 for label, replicas, batch in _configs(o):
-                    deploy(build_app(model, ServeConfig(replicas, o.threads, batch, o.batch_wait_ms, compute=o.compute)))
+                    deploy(
+                        build_app(model, ServeConfig(replicas, o.threads, batch, o.batch_wait_ms, compute=o.compute))
+                    )
                     serve_point(label, o.port, bodies, 4, 50, 10.0)  # warm-up
                     for clients in o.clients:
                         p = serve_point(label, o.port, bodies, clients, o.requests, o.seconds)
                         points.append(p)
-                        progress(f"  {label}, {clients} clients: {p.rps:.0f} req/s, p50 {p.p50_ms:.2f} ms, "
-                                 f"p99 {p.p99_ms:.2f} ms, {p.errors} errors")
+                        progress(
+                            f"  {label}, {clients} clients: {p.rps:.0f} req/s, p50 {p.p50_ms:.2f} ms, "
+                            f"p99 {p.p99_ms:.2f} ms, {p.errors} errors"
+                        )
                     serve.delete("cim-int4")
                 rounds.append({"points": [asdict(p) for p in points], "cpu_independence": independence})
         finally:
@@ -134,11 +140,14 @@ def format_report(report: dict) -> str:
     """The table of medians, the CPU-independence checks and the target figures, as text."""
     o = report["options"]
     lines = [
-        f"cim-int4 bench-serve: {report['model']}, M = 1, compute {o['compute'] or 'as exported'}, on {report['cpu']}, {report['date']}",
+        f"cim-int4 bench-serve: {report['model']}, M = 1, compute {o['compute'] or 'as exported'}",
+        f"on {report['cpu']}, {report['date']}",
         f"{o['rounds']} round(s); each point <= {o['requests']} requests and <= {o['seconds']} s; medians over rounds; "
         f"other processes kept {report['other_load_cpus'] or 0:.2f} CPUs busy on average",
         "two plain processes at once vs one, per round (2.0 = the two CPUs were independent): "
-        + ", ".join("n/a" if r["cpu_independence"] is None else f"{r['cpu_independence']:.2f}" for r in report["rounds"]),
+        + ", ".join(
+            "n/a" if r["cpu_independence"] is None else f"{r['cpu_independence']:.2f}" for r in report["rounds"]
+        ),
         "",
         f"{'configuration':<48} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'errors':>6}",
     ]

@@ -55,8 +55,7 @@ def _add_compute(p: argparse.ArgumentParser, default: str | None = None) -> None
         "--compute",
         choices=("fp32", "int8"),
         default=default,
-        help="compute mode of every CimInt4MatMul (session override; default: "
-        + (default or "each node's own") + ")",
+        help="compute mode of every CimInt4MatMul (session override; default: " + (default or "each node's own") + ")",
     )
 
 

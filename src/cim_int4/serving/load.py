@@ -136,9 +136,7 @@ def serve_point(label: str, port: int, bodies: Sequence[bytes], clients: int, re
     return Point.of(label, clients, ok, len(exchanges) - len(ok), wall)
 
 
-def direct_point(
-    model: str, feeds: Sequence[dict], requests: int, seconds: float, compute: str | None = None
-) -> Point:
+def direct_point(model: str, feeds: Sequence[dict], requests: int, seconds: float, compute: str | None = None) -> Point:
     """The plain single-process loop (1 thread): the same requests run one after another on a direct session."""
     session = make_session(model, threads=1, compute=compute)
     names = [o.name for o in session.get_outputs()]
