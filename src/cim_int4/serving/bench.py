@@ -15,8 +15,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import onnx
+
 from ..bench.machine import LoadMeter, _cpu_model
-from ..exporter import export_with_summary, load_model, save_model
+from ..exporter import export_with_summary, save_model
 from ..graphs import LlamaConfig, llama_decoder, model_feeds
 from .load import Point, cpu_independence, direct_point, median_point, npz_body, serve_point
 
@@ -66,7 +68,7 @@ def bench_serve(o: BenchOptions, progress=print) -> dict:  # noqa: ANN001
 
     with tempfile.TemporaryDirectory(prefix="cim-int4-bench-serve.") as tmp:
         model, name = _model(o, Path(tmp))
-        proto = load_model(model, load_external_data=False)
+        proto = onnx.load(model, load_external_data=False)
         dims = {"batch": 1, "seq": 1, "M": 1}
         feeds = [model_feeds(proto, shape_overrides=dims, seed=i) for i in range(64)]
         bodies = [npz_body(f) for f in feeds]
