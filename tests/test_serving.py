@@ -27,7 +27,8 @@ from cim_int4.exporter import export_with_summary, save_model  # noqa: E402
 from cim_int4.graphs import LlamaConfig, llama_decoder  # noqa: E402
 
 from cim_int4 import make_session  # noqa: E402
-from cim_int4.serving.app import ServeConfig, build_app, deploy  # noqa: E402
+from cim_int4.cli import main  # noqa: E402
+from cim_int4.serving.app import Replica, ServeConfig, build_app, deploy  # noqa: E402
 from cim_int4.serving.commands import start_http, start_ray, stop  # noqa: E402
 from cim_int4.serving.cpus import LOCK_DIR_ENV, thread_affinities  # noqa: E402
 from cim_int4.serving.load import HOST, npz_body, send_load  # noqa: E402
@@ -276,9 +277,29 @@ def test_generate_equals_direct_genai(serve_port, tmp_path) -> None:
         assert status == 400 and message in json.loads(raw)["error"], raw
 
 
-def test_serve_command_starts_ray_and_stops_cleanly_on_ctrl_c(model) -> None:
+def test_serve_command_checks_the_model_before_starting_ray(capsys) -> None:
+    assert main(["serve", "no-such-model.onnx"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "cim-int4: error: no-such-model.onnx: neither an ONNX file nor an onnxruntime-genai folder "
+        "(with genai_config.json)"
+    )
+
+
+def test_replica_without_enough_free_cpus_runs_unpinned_with_one_log_line(caplog, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path))
+    before = os.sched_getaffinity(0)
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        replica = Replica(threads=len(before) + 1)
+    assert replica.claim is None and replica.pin == "none" and os.sched_getaffinity(0) == before
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cim-int4: not enough free CPUs to pin {len(before) + 1} thread(s); this replica runs unpinned"
+    ]
+
+
+def test_serve_command_starts_ray_and_stops_cleanly_on_ctrl_c(model, tmp_path) -> None:
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LOCK_DIR_ENV: str(tmp_path)}
     command = [sys.executable, "-m", "cim_int4.cli", "serve", str(model), "--port", str(port)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -286,11 +307,12 @@ def test_serve_command_starts_ray_and_stops_cleanly_on_ctrl_c(model) -> None:
         children = []
         while time.monotonic() < deadline:
             try:
-                assert Client(port).health()["status"] == "ok"
-                break
+                if Client(port).request("GET", "/healthz")[0] == 200:
+                    break
             except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.5)
+                pass  # the proxy is not listening yet
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "a local Ray instance was not started"
         proc.send_signal(signal.SIGINT)

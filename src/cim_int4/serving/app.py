@@ -83,7 +83,7 @@ def _error(e: RequestError) -> JSONResponse:
     return JSONResponse({"error": " ".join(str(e).split())}, status_code=e.status)
 
 
-class _Replica:
+class Replica:
     """What both deployments share: CPUs claimed and pinned, one worker thread for the runs, /healthz."""
 
     def __init__(self, threads: int) -> None:
@@ -110,11 +110,11 @@ class _Replica:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit():
             check_size(int(declared), limit)
-        body = b""
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             check_size(len(body), limit)
-        return body
+        return bytes(body)
 
 
 def onnx_deployment(model: str | os.PathLike, config: ServeConfig) -> Application:
@@ -124,7 +124,7 @@ def onnx_deployment(model: str | os.PathLike, config: ServeConfig) -> Applicatio
 
     @serve.deployment(**config.deployment_options())
     @serve.ingress(api)
-    class OnnxModel(_Replica):
+    class OnnxModel(Replica):
         def __init__(self) -> None:
             super().__init__(config.threads)
             self.session = make_session(
@@ -255,7 +255,7 @@ def genai_deployment(folder: str | os.PathLike, config: ServeConfig) -> Applicat
 
     @serve.deployment(**config.deployment_options())
     @serve.ingress(api)
-    class GenaiModel(_Replica):
+    class GenaiModel(Replica):
         def __init__(self) -> None:
             super().__init__(config.threads)
             import onnxruntime_genai as og
