@@ -246,6 +246,22 @@ def test_killed_replica_is_replaced_and_requests_fail_cleanly(serve_port, model)
     assert [e.status for e in later] == [200] * 40
 
 
+def sampled(model, prompt: list[int], steps: int, options: dict) -> list[int]:  # noqa: ANN001
+    """Tokens of a direct onnxruntime-genai run with sampling ``options``."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    length = len(prompt) + steps
+    params.set_search_options(max_length=length, min_length=length, **options)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt, dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
 def test_generate_equals_direct_genai(serve_port, tmp_path) -> None:
     pytest.importorskip("onnxruntime_genai")
     from cim_int4.genai import prepare
@@ -264,6 +280,13 @@ def test_generate_equals_direct_genai(serve_port, tmp_path) -> None:
     lines = [json.loads(line) for line in raw.decode().splitlines()]
     assert status == 200 and lines[-1] == {"done": True}
     assert [line["token"] for line in lines[:-1]] == want
+    sampling = {"do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8, "random_seed": 3}
+    answers = [
+        json.loads(client.request("POST", "/v1/generate", json.dumps({**body, **sampling}).encode())[1])["tokens"]
+        for _ in range(2)
+    ]
+    assert answers[0] == answers[1] == sampled(load(folder, threads=1), prompt, steps, sampling)
+    assert answers[0] != want, "sampling options were ignored"
     status, raw = client.request("POST", "/v1/generate", json.dumps({"prompt": "ba da", "max_tokens": 4}).encode())
     doc = json.loads(raw)
     assert status == 200 and len(doc["tokens"]) <= 4 and isinstance(doc["text"], str)
