@@ -34,6 +34,7 @@ from .tensors import (
     concat,
     encode_outputs,
     input_specs,
+    load_json,
     parse_request,
     rows,
     split,
@@ -211,10 +212,7 @@ _GENERATE_FIELDS = {"prompt", "tokens", "max_tokens", "min_tokens", "stream", *_
 
 def parse_generate(body: bytes) -> GenerateRequest:
     """Check a /v1/generate JSON body: prompt or tokens, max_tokens, min_tokens, stream and search options."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"body is not valid JSON ({' '.join(str(e).split())})") from None
+    doc = load_json(body)
     if not isinstance(doc, dict):
         raise RequestError('body must be a JSON object like {"prompt": "...", "max_tokens": 32}')
     extra = sorted(set(doc) - _GENERATE_FIELDS)

@@ -100,12 +100,17 @@ def _from_json_value(value: object, spec: InputSpec) -> np.ndarray:
     return array
 
 
-def parse_json(body: bytes, specs: Mapping[str, InputSpec]) -> dict[str, np.ndarray]:
-    """Feeds from a JSON body ``{"inputs": {name: nested lists}}``, cast to each input's element type."""
+def load_json(body: bytes) -> object:
+    """The JSON document of a body; RequestError if it is not JSON."""
     try:
-        doc = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON ({' '.join(str(e).split())})") from None
+
+
+def parse_json(body: bytes, specs: Mapping[str, InputSpec]) -> dict[str, np.ndarray]:
+    """Feeds from a JSON body ``{"inputs": {name: nested lists}}``, cast to each input's element type."""
+    doc = load_json(body)
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), dict):
         raise RequestError('body must be a JSON object {"inputs": {name: nested lists}}')
     unknown(doc["inputs"], specs)
