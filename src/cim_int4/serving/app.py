@@ -317,9 +317,13 @@ def genai_deployment(folder: str | os.PathLike, config: ServeConfig) -> Applicat
     return GenaiModel.bind()
 
 
-def deploy(app: Application) -> None:
-    """Deploy (or redeploy) ``app`` at / on the running Serve instance and wait until its replicas are up."""
-    serve.run(app, name=APP_NAME, route_prefix="/")
+def deploy(app: Application, access_log: bool = False) -> None:
+    """Deploy (or redeploy) ``app`` at / on the running Serve instance and wait until its replicas are up.
+
+    ``access_log``: Serve's log line per request, off by default: on a small machine it
+    costs the replicas and the driver CPU time per request.
+    """
+    serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": access_log})
 
 
 def build_app(model: str | os.PathLike, config: ServeConfig) -> Application:

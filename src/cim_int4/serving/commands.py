@@ -48,6 +48,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS, help="how long a batch may wait")
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES", help="largest request body")
     _add_compute(p)
+    p.add_argument("--access-log", action="store_true", help="log a line per request (Serve's access log)")
 
 
 def _add_compute(p: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -69,11 +70,11 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address=address, configure_logging=False)
 
 
-def start_http(host: str, port: int) -> None:
-    """Start Serve with its HTTP proxy on ``host:port``."""
+def start_http(host: str, port: int, access_log: bool = False) -> None:
+    """Start Serve with its HTTP proxy on ``host:port``; ``access_log``: a log line per request (costs CPU)."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": access_log})
 
 
 def stop() -> None:
@@ -98,8 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(args.model, config)  # checks the model path before Ray starts
     start_ray(args.address)
     try:
-        start_http(args.host, args.port)
-        deploy(app)
+        start_http(args.host, args.port, args.access_log)
+        deploy(app, args.access_log)
         where = "a local Ray instance" if args.address is None else f"the Ray cluster at {args.address}"
         print(
             f"cim-int4: serving {args.model} on http://{args.host}:{args.port} ({config.replicas} replica(s) x "
