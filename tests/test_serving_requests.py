@@ -148,3 +148,35 @@ def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys) -> Non
     assert main(["serve", "model.onnx"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "cim-int4: error: serving needs Ray Serve: pip install 'cim-int4[serve]'"
+
+
+def test_bench_report_table_targets_and_plot(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from dataclasses import asdict
+
+    from cim_int4.serving.bench import BenchOptions, format_report, targets, write_plot
+    from cim_int4.serving.load import Point
+
+    options = BenchOptions(clients=(1, 16), rounds=2)
+
+    def point(label: str, clients: int, rps: float, p50: float) -> dict:
+        return asdict(Point(label, clients, 100, 0, 1.0, rps, p50, p50 * 1.5, p50 * 2))
+
+    rounds = []
+    for scale in (1.0, 1.2):  # two rounds: the tables take medians
+        points = [point("plain loop, 1 process", 1, 400 * scale, 2.0)]
+        for replicas, on, rps in ((1, False, 100), (2, False, 180), (1, True, 160), (2, True, 200)):
+            label = f"{replicas} replica(s) x 1 thread(s), batching {'on' if on else 'off'}"
+            points += [point(label, 1, rps / 2, 5.0), point(label, 16, rps * scale, 50.0)]
+        rounds.append({"points": points, "cpu_independence": 1.9})
+    report = {"date": "2026-12-02T01:00:00+00:00", "cpu": "AMD EPYC", "model": "demo", "options": asdict(options)}
+    report |= {"other_load_cpus": 0.5, "rounds": rounds}
+    t = targets(report)
+    assert t["two_vs_one_replica"] == pytest.approx(1.8)
+    assert t["batching_on_vs_off"] == pytest.approx(1.6)
+    assert t["serving_overhead_ms"] == pytest.approx(3.0)
+    assert t["batching_on_p99_ms"] == pytest.approx(100.0)
+    text = format_report(report)
+    assert "two_vs_one_replica: 1.80" in text and "1.90, 1.90" in text
+    write_plot(report, tmp_path / "load.png")
+    assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"

@@ -164,21 +164,20 @@ def format_report(report: dict) -> str:
 
 
 def write_plot(report: dict, path: str) -> None:
-    """Latency (p50 and p99) against the load each configuration carried, one line per configuration."""
+    """p50 and p99 latency against the requests/s each configuration carried, one line per configuration."""
     from ..report import plot_lines
 
-    series: dict[str, tuple[list[float], list[float]]] = {}
+    panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {"p50": {}, "p99": {}}
     for p in medians(report):
-        for q in ("p50", "p99"):
-            xs, ys = series.setdefault(f"{p.label} ({q})", ([], []))
+        for q, series in panels.items():
+            xs, ys = series.setdefault(p.label, ([], []))
             xs.append(p.rps)
             ys.append(getattr(p, f"{q}_ms"))
-    o = report["options"]
+    clients = ", ".join(map(str, report["options"]["clients"]))
     plot_lines(
         path,
-        series,
-        xlabel=f"requests/s carried, at {', '.join(map(str, o['clients']))} concurrent clients (closed loop)",
-        ylabel="latency, ms (log scale)",
-        title=f"cim-int4 on Ray Serve: {report['model']}, M = 1 - {report['cpu']} - {report['date'][:10]}",
+        [(f"{q} latency, ms (log scale)", series) for q, series in panels.items()],
+        xlabel=f"requests/s carried at {clients} concurrent clients (closed loop)",
+        title=f"{report['model']}, M = 1, through Ray Serve - {report['cpu']}, {report['date'][:16]}",
         log_y=True,
     )
