@@ -176,8 +176,10 @@ def onnx_deployment(model: str | os.PathLike, config: ServeConfig) -> Applicatio
             try:
                 body = await self.read_body(request, config.max_body)
                 feeds, npz = parse_request(body, request.headers.get("content-type", ""), self.specs)
-                result = await (self.infer_batch(feeds) if self.batching else self.on_worker(self.run_batch, [feeds]))
-                result = result if self.batching else result[0]
+                if self.batching:
+                    result = await self.infer_batch(feeds)
+                else:
+                    (result,) = await self.on_worker(self.run_batch, [feeds])
                 if isinstance(result, Exception):
                     if not type(result).__module__.startswith("onnxruntime"):
                         raise result
