@@ -78,10 +78,14 @@ def bench_serve(o: BenchOptions, progress=print) -> dict:  # noqa: ANN001
         try:
             start_http("127.0.0.1", o.port)
             for r in range(o.rounds):
-                points = [direct_point(model, feeds, o.requests, o.seconds, compute=o.compute)]
+                points = [
+                    direct_point(model, feeds, o.requests, o.seconds, compute=o.compute, batch=batch)
+                    for batch in sorted({1, o.max_batch})
+                ]
                 independence = cpu_independence(model, feeds[0], o.compute)
                 progress(
-                    f"round {r + 1}: plain loop {points[0].rps:.0f} req/s; two plain processes at once "
+                    f"round {r + 1}: plain loop {points[0].rps:.0f} req/s ({points[-1].rps:.0f} in batches of "
+                    f"{o.max_batch}); two plain processes at once "
                     f"{independence and f'{independence:.2f}x'} one"
                 )
                 for label, replicas, batch in _configs(o):
@@ -134,6 +138,9 @@ def targets(report: dict) -> dict[str, float]:
     if 2 in o["replicas"] and 1 in o["replicas"]:
         out["two_vs_one_replica"] = rps(2, False) / rps(1, False)
     out["batching_on_vs_off"] = rps(1, True) / rps(1, False)
+    batched = pts.get((f"plain loop, 1 process, {o['max_batch']} requests per call", o["max_batch"]))
+    if batched is not None:  # the kernels' own gain from batching, without serving
+        out["plain_batched_vs_single"] = batched.rps / plain.rps
     out["batching_on_p99_ms"] = pts[(f"1 replica(s) x {t} thread(s), batching on", most)].p99_ms
     return out
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..ops import make_session
-from .tensors import NPZ_MEDIA_TYPE
+from .tensors import NPZ_MEDIA_TYPE, concat
 
 HOST = "127.0.0.1"  # the benchmark and the tests only ever send to this machine
 REQUEST_TIMEOUT_S = 60.0
@@ -136,21 +136,29 @@ def serve_point(label: str, port: int, bodies: Sequence[bytes], clients: int, re
     return Point.of(label, clients, ok, len(exchanges) - len(ok), wall)
 
 
-def direct_point(model: str, feeds: Sequence[dict], requests: int, seconds: float, compute: str | None = None) -> Point:
-    """The plain single-process loop (1 thread): the same requests run one after another on a direct session."""
+def direct_point(
+    model: str, feeds: Sequence[dict], requests: int, seconds: float, compute: str | None = None, batch: int = 1
+) -> Point:
+    """The plain single-process loop (1 thread): the same requests run on a direct session, ``batch`` per call.
+
+    With ``batch`` > 1 consecutive requests are concatenated along axis 0 (as Serve's batching
+    does), so the point shows what the kernels give without any serving around them.
+    """
     session = make_session(model, threads=1, compute=compute)
     names = [o.name for o in session.get_outputs()]
-    session.run(names, feeds[0])  # warm-up
+    calls = [concat([feeds[(i + j) % len(feeds)] for j in range(batch)]) for i in range(0, len(feeds), batch)]
+    session.run(names, calls[0])  # warm-up
     latencies: list[float] = []
     deadline = time.monotonic() + seconds
     t0 = time.perf_counter()
-    for i in range(requests):
+    for i in range(0, requests, batch):
         if time.monotonic() >= deadline:
             break
         t = time.perf_counter()
-        session.run(names, feeds[i % len(feeds)])
-        latencies.append(time.perf_counter() - t)
-    return Point.of("plain loop, 1 process", 1, latencies, 0, time.perf_counter() - t0)
+        session.run(names, calls[(i // batch) % len(calls)])
+        latencies += [time.perf_counter() - t] * batch
+    label = "plain loop, 1 process" + (f", {batch} requests per call" if batch > 1 else "")
+    return Point.of(label, batch, latencies, 0, time.perf_counter() - t0)
 
 
 def _plain_rate(model: str, feeds: dict, compute: str | None, cpu: int, seconds: float, start: float) -> float:
