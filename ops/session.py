@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import onnx
 import onnxruntime as ort
 
+from ..contract import COMPUTE_CONFIG, check_compute
 from .library import library_path
-from .names import COMPUTE_CONFIG
-from .reference import COMPUTE_MODES
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 Pin = bool | Literal["run", "pool", "none"]
@@ -23,6 +24,32 @@ PIN_MODES = ("run", "pool", "none")
 # was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
 DEFAULT_PIN = "pool"
 BACKENDS = ("native", "reference")
+# Protobuf cannot serialise 2 GiB: a ModelProto at least this big goes to ORT as a file with external data.
+IN_MEMORY_LIMIT = 1 << 30
+
+
+@contextmanager
+def ort_source(model: onnx.ModelProto) -> Iterator[bytes | str]:
+    """What ORT loads ``model`` from: its bytes, or from IN_MEMORY_LIMIT on a temporary file (valid inside the block).
+
+    ORT has read the file by the time a session exists, so a session made inside the block
+    outlives it. ``model`` itself is left whole (a copy is saved).
+    """
+    if model.ByteSize() < IN_MEMORY_LIMIT:
+        yield model.SerializeToString()
+        return
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
+        yield str(path)
+
+
+def proto_session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
+    """The one way this package turns a ModelProto into a CPU InferenceSession (any size)."""
+    with ort_source(model) as source:
+        return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def _allowed_cpus() -> tuple[int, ...]:
@@ -105,8 +132,8 @@ def session_options(
     the op library's ``cim_int4.compute`` entry.
     """
     mode = _pin_mode(pin)
-    if compute is not None and compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be None or one of {COMPUTE_MODES}, got {compute!r}")
+    if compute is not None:
+        check_compute(compute)
     cores = physical_cores()
     n = resolve_threads(threads, cores, oversubscribe)
     so = ort.SessionOptions()
@@ -176,7 +203,7 @@ def make_session(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     reference = backend == "reference"
-    # Imported here: reference_backend reads the exporter's constants, and the exporter imports this package.
+    # Imported here: the reference backend's module is only needed with backend="reference".
     from .reference_backend import extensions_library, reference_session
 
     library = extensions_library() if reference else None
@@ -184,11 +211,14 @@ def make_session(
     if reference:
         return reference_session(model, so)
     if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    elif not isinstance(model, bytes):
-        model = os.fspath(model)
+        with ort_source(model) as source:
+            return _session(source, so, pin)
+    return _session(model if isinstance(model, bytes) else os.fspath(model), so, pin)
+
+
+def _session(source: bytes | str, so: ort.SessionOptions, pin: Pin) -> ort.InferenceSession:
     providers = ["CPUExecutionProvider"]
     if _pin_mode(pin) == "run":
         cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
-        return PinnedRunSession(model, sess_options=so, providers=providers, caller_cpu=cpus[0])
-    return ort.InferenceSession(model, sess_options=so, providers=providers)
+        return PinnedRunSession(source, sess_options=so, providers=providers, caller_cpu=cpus[0])
+    return ort.InferenceSession(source, sess_options=so, providers=providers)

@@ -13,13 +13,13 @@ from cim_int4.exporter import export_with_summary, quantize_weight
 from cim_int4.graphs import OPSET, guess_vocabulary, matmul_chain, model_feeds, random_input
 from cim_int4.graphs._common import IR_VERSION, initializer, weight_matrix
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_TYPE
 from onnx import TensorProto, helper, numpy_helper
 
 import cim_int4
 from cim_int4 import layercheck
 from cim_int4 import validate as compare_module
 from cim_int4.cli import DIVERGED, main
+from cim_int4.contract import OP_TYPE
 from cim_int4.layercheck import expected, tensor_error
 
 VOCAB = 50

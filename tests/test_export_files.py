@@ -16,9 +16,9 @@ import onnx
 import pytest
 from cim_int4.exporter import io as exporter_io
 from cim_int4.graphs import matmul_chain, mlp, random_input
-from cim_int4.ops.names import OP_TYPE
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
+from cim_int4.contract import OP_TYPE
 
 
 def sha256(path: Path) -> str:

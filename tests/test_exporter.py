@@ -15,11 +15,11 @@ from cim_int4.exporter import DEFAULT_COMPUTE, SCALE_RULES, export_with_summary,
 from cim_int4.exporter.api import max_ir_version
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import dequantized_model
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
+from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
 LLAMA = LlamaConfig(hidden=128, intermediate=256, layers=2, heads=4)
 LLAMA_PROJECTIONS = [

@@ -17,8 +17,9 @@ from cim_int4.exporter import (
     quantize_weight,
 )
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE
 from onnx import TensorProto, helper, numpy_helper
+
+from cim_int4.contract import OP_DOMAIN, OP_TYPE
 
 # ---------------------------------------------------------------- pack / unpack
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import onnx
 import pytest
 from cim_int4.graphs import matmul_chain
-from cim_int4.ops.names import OP_TYPE
 from onnx import helper, numpy_helper
 
 from cim_int4 import export_int4
+from cim_int4.contract import OP_TYPE
 
 SESSION_RSS = """
 import sys

@@ -16,12 +16,12 @@ import onnx
 import pytest
 from cim_int4.exporter import export_with_summary
 from cim_int4.exporter.fold import COMPUTED
-from cim_int4.ops.names import OP_TYPE
 from conftest import check, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import NothingToQuantize, make_session
 from cim_int4.cli import main as cli_main
+from cim_int4.contract import OP_TYPE
 
 K, N, M = 64, 48, 3
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16

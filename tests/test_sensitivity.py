@@ -12,10 +12,10 @@ import pytest
 from cim_int4.exporter import ExportError, export_with_summary
 from cim_int4.exporter.sensitivity import RuleChoice, choose_rule, load_feeds, row_cosines, worst_cosine, worst_rel_l2
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
-from cim_int4.ops.names import OP_TYPE
 from onnx import numpy_helper
 
 from cim_int4 import make_session
+from cim_int4.contract import OP_TYPE
 
 # The decoder's planted 10x outlier columns make attention sharp: plain INT4 misses 0.99.
 LLAMA = LlamaConfig(hidden=128, intermediate=256, layers=2, heads=4)
@@ -186,10 +186,10 @@ def test_cli_target_without_feeds_is_an_error(tmp_path: Path, llama: onnx.ModelP
 
 def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, monkeypatch) -> None:
     # Above 1 GiB the probe and the check run from a temporary file; a tiny limit takes that path here.
-    import cim_int4.exporter.sensitivity as sensitivity
+    import cim_int4.ops.session as session
 
     _, in_memory = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
-    monkeypatch.setattr(sensitivity, "_IN_MEMORY_LIMIT", 1)
+    monkeypatch.setattr(session, "IN_MEMORY_LIMIT", 1)
     before = llama.SerializeToString()
     _, from_files = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
     assert llama.SerializeToString() == before, "the caller's model keeps its weights inline"

@@ -25,10 +25,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .contract import COMPUTE_CONFIG, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, OP_DOMAIN, OP_TYPE, check_compute, is_op_node
 from .exporter.fold import DEFAULT_DOMAINS, Scope
 from .exporter.operands import Ineligible, plan_gemm, plan_matmul
-from .ops import OP_DOMAIN, OP_TYPE, make_session, reference
-from .ops.names import COMPUTE_CONFIG
+from .ops import make_session, reference
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 U32 = 2.0**-24  # unit roundoff of float32
@@ -122,7 +122,7 @@ class Model:
 
 def is_int4(node: onnx.NodeProto) -> bool:
     """Whether ``node`` is a CimInt4MatMul."""
-    return node.op_type == OP_TYPE and node.domain == OP_DOMAIN
+    return is_op_node(node)
 
 
 def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, float, float]:
@@ -246,7 +246,7 @@ def check_layer(
     label = node.name or node.output[0]
     if compute is None:
         compute_attr = _attr(node, "compute")
-        compute = compute_attr.s.decode() if compute_attr is not None else "fp32"
+        compute = compute_attr.s.decode() if compute_attr is not None else DEFAULT_COMPUTE
     attrs = {}
     arrays: dict[str, np.ndarray] = {}
     for at in node.attribute:
@@ -266,9 +266,9 @@ def check_layer(
     try:
         session = make_session(one, threads=threads, config=compute_config(compute))
         (got,) = session.run(None, {"A": np.asarray(a, dtype=np.float32)})
-        k, g = int(_attr(node, "K").i), int(_attr(node, "group_size").i) if _attr(node, "group_size") else 32
-        if compute not in reference.COMPUTE_MODES:
-            raise ValueError(f"attribute compute={compute!r} is not one of {reference.COMPUTE_MODES}")
+        group = _attr(node, "group_size")
+        k, g = int(_attr(node, "K").i), int(group.i) if group else DEFAULT_GROUP_SIZE
+        check_compute(compute, "attribute compute")
         want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute)
     except Exception as e:  # noqa: BLE001 - any failure of the layer alone is this layer's verdict
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -238,8 +238,9 @@ def _node_attributes(attrs: dict) -> dict:
 
 
 def _model(case: Case):
-    from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
     from onnx import TensorProto, helper
+
+    from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
     node = helper.make_node(OP_TYPE, ["A"], ["Y"], name="fuzz", domain=OP_DOMAIN, **_node_attributes(case.attrs))
     elem = helper.np_dtype_to_tensor_dtype(case.a.dtype)
