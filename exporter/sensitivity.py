@@ -34,8 +34,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
-from ..ops.session import proto_session, session_options
+from ..ops.session import session_options
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
 from .probe import probe_model
 from .quantize import QuantizedWeight, quantize_weight

@@ -32,7 +32,7 @@ from onnx import helper, numpy_helper
 
 from ..contract import COMPUTE_CONFIG, COMPUTE_MODES, OP_DOMAIN, Int4Node, check_compute, is_op_node
 from . import reference
-from .session import proto_session
+from .ort_model import proto_session
 
 REFERENCE_DOMAIN = "ai.onnx.contrib"  # the only domain onnxruntime-extensions serves Python ops from
 REFERENCE_OP = "CimInt4MatMulReference"

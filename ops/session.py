@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +13,7 @@ import onnxruntime as ort
 
 from ..contract import COMPUTE_CONFIG, check_compute
 from .library import library_path
+from .ort_model import ort_source
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 Pin = bool | Literal["run", "pool", "none"]
@@ -24,34 +23,6 @@ PIN_MODES = ("run", "pool", "none")
 # was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
 DEFAULT_PIN = "pool"
 BACKENDS = ("native", "reference")
-# Protobuf cannot serialise 2 GiB: a ModelProto at least this big goes to ORT as a file with external data.
-IN_MEMORY_LIMIT = 1 << 30
-
-
-@contextmanager
-def ort_source(model: onnx.ModelProto) -> Iterator[bytes | str]:
-    """What ORT loads ``model`` from: its bytes, or from IN_MEMORY_LIMIT on a temporary file (valid inside the block).
-
-    ORT has read the file by the time a session exists, so a session made inside the block
-    outlives it. ``model`` itself is left whole (a copy is saved).
-    """
-    if model.ByteSize() < IN_MEMORY_LIMIT:
-        yield model.SerializeToString()
-        return
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
-        path = Path(tmp) / "model.onnx"
-        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
-        yield str(path)
-
-
-def proto_session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
-    """The one way this package turns a ModelProto into a CPU InferenceSession (any size)."""
-    with ort_source(model) as source:
-        return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
-
-
 def _allowed_cpus() -> tuple[int, ...]:
     # Read each time (no cache): a process that moved itself must not be pinned back.
     return tuple(sorted(os.sched_getaffinity(0)))

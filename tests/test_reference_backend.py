@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cim_int4.ops import reference, reference_backend, session
+from cim_int4.ops import ort_model, reference, reference_backend
 from cim_int4.ops.reference_backend import (
     COMPUTE_CONFIG,
     REFERENCE_DOMAIN,
@@ -172,7 +172,7 @@ def test_external_data_model_runs(tmp_path: Path, monkeypatch) -> None:
     expected = reference.emulate(a, qw.packed, qw.scales, 256, 32, np.ones(40, np.float32))
     assert run(path, a).tobytes() == expected.tobytes()
     # A rewritten model too large for one protobuf goes to ORT through a temporary file.
-    monkeypatch.setattr(session, "IN_MEMORY_LIMIT", 0)
+    monkeypatch.setattr(ort_model, "IN_MEMORY_LIMIT", 0)
     assert run(str(path), a).tobytes() == expected.tobytes()
     assert run(model.SerializeToString(), a).tobytes() == expected.tobytes()
 

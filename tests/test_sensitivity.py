@@ -186,10 +186,10 @@ def test_cli_target_without_feeds_is_an_error(tmp_path: Path, llama: onnx.ModelP
 
 def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, monkeypatch) -> None:
     # Above 1 GiB the probe and the check run from a temporary file; a tiny limit takes that path here.
-    import cim_int4.ops.session as session
+    import cim_int4.ops.ort_model as ort_model
 
     _, in_memory = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
-    monkeypatch.setattr(session, "IN_MEMORY_LIMIT", 1)
+    monkeypatch.setattr(ort_model, "IN_MEMORY_LIMIT", 1)
     before = llama.SerializeToString()
     _, from_files = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
     assert llama.SerializeToString() == before, "the caller's model keeps its weights inline"
