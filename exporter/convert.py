@@ -281,7 +281,7 @@ def convert_file(
 ) -> ConvertSummary:
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
-    Reads one node's weights at a time: memory peaks near the int4 weights once (README, "convert").
+    Reads one node's weights at a time: memory peaks near the int4 weights once (docs/guide.md, "convert").
 
     ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
     """

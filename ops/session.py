@@ -19,7 +19,7 @@ ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 Pin = bool | Literal["run", "pool", "none"]
 
 PIN_MODES = ("run", "pool", "none")
-# Measured on a 4096x4096 chain at M=1 (README, make_session): pinning only ORT's pool threads
+# Measured on a 4096x4096 chain at M=1 (docs/guide.md, make_session): pinning only ORT's pool threads
 # was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
 DEFAULT_PIN = "pool"
 BACKENDS = ("native", "reference")

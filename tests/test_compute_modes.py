@@ -138,7 +138,7 @@ def test_bad_compute_values_are_refused_naming_them() -> None:
             session(op_model(op_attributes(qw), [["M", 64]]), config={COMPUTE_KEY: "fast"})
 
 
-# ---------------------------------------------------------------- extreme values (issue 9, defects 1-3)
+# ---------------------------------------------------------------- extreme values (huge, tiny and non-finite)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -101,7 +101,7 @@ def test_external_data_option_moves_every_weight_out_and_runs(
     tmp_path: Path, model: onnx.ModelProto, source: str
 ) -> None:
     # A small model (far under the 1 GiB threshold) still gets <output>.data on request, with
-    # every CimInt4MatMul tensor in it: what keeps ORT to one copy of the weights (README,
+    # every CimInt4MatMul tensor in it: what keeps ORT to one copy of the weights (docs/design.md,
     # "Session memory"). Loaded from the file, it computes what the one-file export does.
     src = tmp_path / "in.onnx"
     onnx.save(model, src)

@@ -134,7 +134,7 @@ def _add_external_data(p: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="keep the tensors in OUTPUT.data whatever the size: a session loaded from it holds 2x the int4 "
-        "weights instead of 3x (README 'Session memory'; default: only over 1 GiB)",
+        "weights instead of 3x (docs/design.md 'Session memory'; default: only over 1 GiB)",
     )
 
 
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
         help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; README 'Accuracy')",
+        "show it closer to FP32; docs/accuracy.md)",
     )
     p.add_argument(
         "--compute",

@@ -1,8 +1,8 @@
 """A bounded, seeded fuzz run of CimInt4MatMul in child processes: no crash, no hang, clean errors or right answers.
 
 ``CIM_INT4_FUZZ_CASES`` (default 5000) and ``CIM_INT4_FUZZ_START`` (default 0) choose the seeds;
-the sanitizer stage of .ci/run runs a slice. Attribute sizes near INT64_MAX (issue 9 #2) and
-misaligned or huge inputs on the portable kernel (#3) are among the cases.
+the sanitizer stage of .ci/run runs a slice. Attribute sizes near INT64_MAX (an overflow in size
+arithmetic) and misaligned or huge inputs on the portable kernel are among the cases.
 """
 
 from __future__ import annotations

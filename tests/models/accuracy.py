@@ -1,4 +1,4 @@
-"""Accuracy of every scale rule against ORT's MatMulNBits RTN: the README's "Accuracy" table.
+"""Accuracy of every scale rule against ORT's MatMulNBits RTN: the table of docs/accuracy.md.
 
     .venv/bin/python tests/models/accuracy.py [--cases NAME ...] [--batches N]
 
@@ -163,7 +163,7 @@ def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BAT
 
 
 def markdown(rows: list[Row], rules: tuple[str, ...] = SCALE_RULES) -> str:
-    """The README table: mean output cosine (worst row) [mean rel L2] per rule, MatMulNBits last."""
+    """The docs/accuracy.md table: mean output cosine (worst row) [mean rel L2] per rule, MatMulNBits last."""
     cols = [*rules, "MatMulNBits"]
     lines = [
         "| model | layers | " + " | ".join(cols) + " |",

@@ -1,4 +1,4 @@
-"""Accuracy of the two compute modes: the README's table behind the default ``compute``.
+"""Accuracy of the two compute modes: the table of docs/accuracy.md behind the default ``compute``.
 
     .venv/bin/python tests/models/compute_modes.py     (prints the Markdown table)
 
@@ -6,7 +6,7 @@ For every case of accuracy.py (the repository's graphs and the random-init trans
 tests/models) and every model of tests/zoo: export once with the default scale rule, run
 with ``cim_int4.compute`` = fp32 and = int8, and MatMulNBits (same layers) at accuracy
 levels 0 and 4; worst final-output cosine vs FP32 for each. The default mode is int8 only
-if int8 stays within 0.001 cosine of fp32 on every one (issue 6's rule).
+if int8 stays within 0.001 cosine of fp32 on every one.
 """
 
 from __future__ import annotations
