@@ -21,19 +21,21 @@ worst row of a small batch is too noisy to choose by). ``target_cosine=0`` stops
 is kept FP32 and no per-layer run is made.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
-Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
-the worst over all of them.
+Cosine (``cim_int4.metrics.worst_cosine``, with its rule for non-finite values): per float
+output and per index of its first axis (the batch), the worst over all of them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..graphs.feeds import load_feeds
+from ..metrics import row_cosines, worst, worst_cosine
 from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from ..ops.session import session_options
@@ -45,63 +47,12 @@ from .scale_rules import AUTO_CHOICES
 from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
 
 
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
-
-
-def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
-        # Two all-zero rows agree; one zero row against a non-zero one does not.
-        both = nr * no
-        cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
-        found.append(np.where(both > 0, cos, (nr == 0) & (no == 0)))
-    return np.concatenate(found) if found else np.ones(0)
-
-
-def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
-        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
-    return np.concatenate(found) if found else np.zeros(0)
-
-
-def _worst(cosines: np.ndarray) -> float:
-    """The lowest of row cosines; 1.0 when there is none (no float output)."""
-    return float(min(cosines, default=1.0))
-
-
-def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
-    return _worst(row_cosines(reference, outputs))
-
-
-def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
-    return float(max(row_rel_l2(reference, outputs), default=0.0))
-
-
-def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s graph inputs."""
+def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Calibration inputs from an ``.npz`` file (graphs.load_feeds) or a dict, checked against ``model``'s inputs."""
     if isinstance(source, Mapping):
         feeds, where = {k: np.asarray(v) for k, v in source.items()}, "feeds"
     else:
-        where = str(source)
-        try:
-            with np.load(source, allow_pickle=False) as data:
-                feeds = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: not a readable .npz of input arrays ({e})") from e
+        feeds, where = load_feeds(source), str(source)
     initializers = {t.name for t in model.graph.initializer}
     needed = [i.name for i in model.graph.input if i.name not in initializers]
     missing = [n for n in needed if n not in feeds]
@@ -146,7 +97,7 @@ def plan(
         return row_cosines(reference, session.run(None, {**feeds, **int4}))
 
     def run(int4_layers: Sequence[int]) -> float:
-        return _worst(cosines(int4_layers, quantized))
+        return worst(cosines(int4_layers, quantized))
 
     reference = session.run(None, dict(feeds))
     report.runs += 1
@@ -157,7 +108,7 @@ def plan(
         rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
         report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
         quantized = tried[report.rule_choice.chosen]
-        cosine_at[0] = _worst(rows[report.rule_choice.chosen])
+        cosine_at[0] = worst(rows[report.rule_choice.chosen])
     else:
         quantized = quantize_all(options.scale_rule)
     if target_cosine == 0.0:
@@ -202,7 +153,7 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
-    feeds = load_feeds(options.feeds, model)
+    feeds = calibration_feeds(options.feeds, model)
     keep, quantized, report = plan(model, feeds, options)
     out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
     summary.mixed_precision = report
@@ -222,10 +173,6 @@ __all__ = [
     "RuleChoice",
     "choose_rule",
     "export_mixed",
-    "load_feeds",
+    "calibration_feeds",
     "plan",
-    "row_cosines",
-    "row_rel_l2",
-    "worst_cosine",
-    "worst_rel_l2",
 ]

@@ -26,11 +26,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from cim_int4.exporter import SCALE_RULES, export_with_summary
-from cim_int4.exporter.sensitivity import row_cosines, row_rel_l2
 from cim_int4.graphs import BUILDERS, LlamaConfig, llama_decoder, random_input, single_matmul
 from cim_int4.ops import session_options
 
 from cim_int4.bench.variants import quantize_nbits
+from cim_int4.metrics import row_cosines, row_rel_l2
 
 MODELS = Path(__file__).parent
 BATCHES = 8  # evaluation batches per case

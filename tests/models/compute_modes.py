@@ -20,11 +20,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from cim_int4.exporter import export_with_summary
-from cim_int4.exporter.sensitivity import worst_cosine
 from cim_int4.graphs import random_input
 from cim_int4.ops import session_options
 
 from cim_int4.bench.variants import quantize_nbits
+from cim_int4.metrics import worst_cosine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from accuracy import CASES, Case  # noqa: E402
