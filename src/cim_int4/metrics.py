@@ -45,16 +45,6 @@ def cosine(reference: np.ndarray, output: np.ndarray) -> float:
     return float(cosines(r, np.asarray(output, np.float64).reshape(1, -1))[0])
 
 
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
-
-
 def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
     """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
     found = [cosines(r, o) for r, o in _rows(reference, outputs)]
