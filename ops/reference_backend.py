@@ -30,7 +30,7 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from ..contract import COMPUTE_CONFIG, COMPUTE_MODES, OP_DOMAIN, Int4Node, check_compute, is_op_node
+from ..contract import COMPUTE_CONFIG, OP_DOMAIN, Int4Node, check_compute, is_op_node
 from . import reference
 from .ort_model import proto_session
 
@@ -109,9 +109,7 @@ def compute_override(so: ort.SessionOptions) -> str | None:
         value = so.get_session_config_entry(COMPUTE_CONFIG)
     except RuntimeError:  # ORT's way of saying the entry is not set
         return None
-    if value not in COMPUTE_MODES:
-        raise ValueError(f"session config '{COMPUTE_CONFIG}' is {value!r}, expected one of {COMPUTE_MODES}")
-    return value
+    return check_compute(value, f"session config '{COMPUTE_CONFIG}'")
 
 
 def load_source(model: ModelSource) -> onnx.ModelProto:

@@ -19,7 +19,7 @@ import cim_int4
 from cim_int4 import layercheck
 from cim_int4 import validate as compare_module
 from cim_int4.cli import DIVERGED, main
-from cim_int4.contract import OP_TYPE
+from cim_int4.contract import COMPUTE_CONFIG, OP_TYPE
 
 VOCAB = 50
 
@@ -150,7 +150,7 @@ def test_compute_mode_is_set_per_session_and_holds_each_layer_to_it(chain, monke
     monkeypatch.setattr(compare_module, "make_session", session)
     report = compare_module.compare(fp32, int4, dims={"M": 4}, compute="int8")
     assert report.first_divergent is None and {c.compute for c in report.layers} == {"int8"}
-    assert configs and all(c.get("cim_int4.compute") == "int8" for c in configs)
+    assert configs and all(c.get(COMPUTE_CONFIG) == "int8" for c in configs)
     # The same int8 results held to the nodes' own mode (fp32, no attribute) are far outside its rounding.
     report = compare_module.compare(fp32, int4, dims={"M": 4})
     assert report.first_divergent == _layers(int4)[0].name and not report.layers[0].kernel_ok

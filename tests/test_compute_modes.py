@@ -10,9 +10,11 @@ from cim_int4.ops import reference
 from cim_int4.ops.library import library_path
 from conftest import KERNEL_ENV, U32, available_kernels, op_attributes, op_model, random_weight
 
+from cim_int4.contract import COMPUTE_CONFIG
+
 KERNELS = available_kernels()
 MODES = ("fp32", "int8")
-COMPUTE_KEY = "cim_int4.compute"
+COMPUTE_KEY = COMPUTE_CONFIG
 
 
 def session(model, threads: int = 1, config: dict[str, str] | None = None) -> ort.InferenceSession:

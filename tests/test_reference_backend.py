@@ -72,7 +72,7 @@ def test_session_config_overrides_the_node_mode(node_mode: str, override: str) -
 
 
 def test_bad_compute_override_is_refused_naming_the_entry() -> None:
-    with pytest.raises(ValueError, match=f"'{COMPUTE_CONFIG}' is 'int4'"):
+    with pytest.raises(ValueError, match=f"'{COMPUTE_CONFIG}' must be one of .*, got 'int4'"):
         make_session(
             op_model(op_attributes(quantized(64, 4)), [None]), backend="reference", config={COMPUTE_CONFIG: "int4"}
         )

@@ -59,3 +59,11 @@ def test_a_crash_is_reported_with_its_seed(kernels: tuple[str, ...], monkeypatch
     assert [r.seed for r in got] == list(range(6))
     assert got[3].outcome == "crash" and "exit -6" in got[3].detail
     assert all(r.outcome == "ok" for r in got if r.seed != 3), got
+
+
+def test_the_harness_group_sizes_are_the_contracts() -> None:
+    from harness import GROUP_SIZES
+
+    from cim_int4.contract import SUPPORTED_GROUP_SIZES
+
+    assert GROUP_SIZES == SUPPORTED_GROUP_SIZES

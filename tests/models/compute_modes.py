@@ -24,6 +24,7 @@ from cim_int4.graphs import random_input
 from cim_int4.ops import session_options
 
 from cim_int4.bench.variants import quantize_nbits
+from cim_int4.contract import COMPUTE_CONFIG
 from cim_int4.metrics import worst_cosine
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,7 +35,7 @@ RULE = 0.001  # int8 is the default only within this cosine of fp32 everywhere
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], compute: str | None = None) -> list[np.ndarray]:
-    so = session_options(pin=False, config={"cim_int4.compute": compute} if compute else None)
+    so = session_options(pin=False, config={COMPUTE_CONFIG: compute} if compute else None)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})
