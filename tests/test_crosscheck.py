@@ -9,7 +9,7 @@ import onnx
 import pytest
 from cim_int4.graphs import LlamaConfig, llama_decoder, matmul_chain, mlp, random_input, single_matmul
 from cim_int4.ops import reference, reference_backend
-from test_exporter import run_cli
+from test_cli import run_cli
 
 import cim_int4
 from cim_int4 import make_session
