@@ -29,7 +29,7 @@ from cim_int4.graphs import LlamaConfig, llama_decoder  # noqa: E402
 from cim_int4 import make_session  # noqa: E402
 from cim_int4.cli import main  # noqa: E402
 from cim_int4.serving.app import Replica, ServeConfig, build_app, deploy  # noqa: E402
-from cim_int4.serving.commands import start_http, start_ray, stop  # noqa: E402
+from cim_int4.serving.cluster import start_http, start_ray, stop  # noqa: E402
 from cim_int4.serving.cpus import LOCK_DIR_ENV, thread_affinities  # noqa: E402
 from cim_int4.serving.load import HOST, npz_body, send_load  # noqa: E402
 

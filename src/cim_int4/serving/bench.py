@@ -64,7 +64,7 @@ def bench_serve(o: BenchOptions, progress=print) -> dict:  # noqa: ANN001
     from ray import serve
 
     from .app import ServeConfig, build_app, deploy
-    from .commands import start_http, start_ray, stop
+    from .cluster import start_http, start_ray, stop
 
     with tempfile.TemporaryDirectory(prefix="cim-int4-bench-serve.") as tmp:
         model, name = _model(o, Path(tmp))
