@@ -78,6 +78,29 @@ def _genai_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _perplexity(args: argparse.Namespace) -> int:
+    from .perplexity import perplexity, write_json
+
+    report = perplexity(
+        args.reference,
+        args.models,
+        text=args.text,
+        window=args.window,
+        stride=args.stride,
+        score_from=args.score_from,
+        tokenizer=args.tokenizer,
+        threads=args.threads,
+        compute=args.compute,
+        max_tokens=args.max_tokens,
+        progress=not args.quiet,
+    )
+    print(report.format_table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"cim-int4: wrote {args.json}")
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
     from .report import check_plotting, write_json
     from .validate import compare
@@ -279,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference: also run the INT4 model on the NumPy reference op and check the native op against it",
     )
     p.set_defaults(func=_validate)
+
+    from .perplexity import add_arguments as perplexity_arguments
+
+    p = sub.add_parser("perplexity", help="perplexity, KL and top-1 agreement of causal LMs vs a reference on a text")
+    perplexity_arguments(p)
+    p.set_defaults(func=_perplexity)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
     from .demo import add_arguments as demo_arguments

