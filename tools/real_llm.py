@@ -93,22 +93,25 @@ def variants(root: Path, name: str) -> list[tuple[str, Path, str | None]]:
     return out
 
 
-def measure(root: Path, name: str, max_tokens: int | None, threads: int | None, window: int, only: str | None) -> None:
-    """Perplexity of every variant vs the FP32 folder, GROUP models per call; one JSON per call."""
+def measure(
+    root: Path, name: str, max_tokens: int | None, threads: int | None, window: int, only: str | None, group: int
+) -> None:
+    """Perplexity of every variant vs the FP32 folder, ``group`` models per call; one JSON per model."""
     from cim_int4.perplexity import perplexity, write_json
 
     out_dir = root / name / "ppl"
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = [v for v in variants(root, name) if not (out_dir / f"{v[0]}.json").is_file()]
     if only:
-        todo = [v for v in todo if only in v[0]]
+        wanted = only.split(",")
+        todo = sorted((v for v in todo if v[0] in wanted), key=lambda v: wanted.index(v[0]))
     by_compute: dict[str | None, list] = {}
     for v in todo:
         by_compute.setdefault(v[2], []).append(v)
     text = root / "text" / "eval.txt"
     for compute, items in by_compute.items():
-        for i in range(0, len(items), GROUP):
-            batch = items[i : i + GROUP]
+        for i in range(0, len(items), group):
+            batch = items[i : i + group]
             t0 = time.perf_counter()
             report = perplexity(
                 root / name / "fp32",
@@ -187,12 +190,13 @@ def main() -> None:
             p.add_argument("--max-tokens", type=int, default=None)
             p.add_argument("--threads", type=int, default=None)
             p.add_argument("--window", type=int, default=512)
-            p.add_argument("--only", default=None, help="only labels containing this")
+            p.add_argument("--only", default=None, help="only these labels (comma-separated, in this order)")
+            p.add_argument("--group", type=int, default=GROUP, help="models per perplexity call")
     args = ap.parse_args()
     if args.step == "exports":
         make_exports(args.root, args.name, args.rules, args.groups)
     elif args.step == "measure":
-        measure(args.root, args.name, args.max_tokens, args.threads, args.window, args.only)
+        measure(args.root, args.name, args.max_tokens, args.threads, args.window, args.only, args.group)
     else:
         print("\n\n".join(table(args.root, n) for n in args.name if (args.root / n / "ppl").is_dir()))
 

@@ -109,13 +109,32 @@ def to_hf(gguf: Path, hf_dir: Path) -> dict:
     return {"greedy": text, "params": n_params, "tied": bool(cfg.get("tie_word_embeddings", False))}
 
 
+# The genai builder (0.18) reads Gemma 3's RoPE the transformers-4 way (rope_theta,
+# rope_local_base_freq, a flat rope_parameters); transformers 5 nests it per layer type.
+# Give the builder the old attributes, then run it as `python -m onnxruntime_genai.models.builder`.
+_BUILDER = """
+import runpy
+from onnxruntime_genai.models.builders import gemma
+_init = gemma.Gemma3Model.__init__
+def init(self, config, *args, **kwargs):
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "sliding_attention" in rope and "full_attention" in rope:
+        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+        config.rope_theta = rope["full_attention"]["rope_theta"]
+        rope.setdefault("rope_type", "default")  # in place: assigning would be re-nested
+    _init(self, config, *args, **kwargs)
+gemma.Gemma3Model.__init__ = init
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
 def build_genai(hf_dir: Path, out: Path, precision: str, extra: list[str]) -> None:
     """Run the onnxruntime-genai builder offline on the local float32 folder."""
     if (out / "genai_config.json").exists():
         return
     cache = out.parent / "cache"
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-           "-p", precision, "-e", "cpu", "-c", str(cache)]
+    cmd = [sys.executable, "-c", _BUILDER, "-i", str(hf_dir), "-o", str(out), "-p", precision, "-e", "cpu",
+           "-c", str(cache)]
     if extra:
         cmd += ["--extra_options", *extra]
     subprocess.run(cmd, check=True)
