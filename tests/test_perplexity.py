@@ -161,3 +161,15 @@ def test_cli_table_and_json(text_file: Path, tmp_path: Path, capsys, og) -> None
     assert [m["model"] for m in data["models"]] == [str(FP32), str(INT4)]
     assert data["settings"]["text_tokens"] == 200
     assert data["models"][0]["tokens"] == data["settings"]["scored_tokens"]
+
+
+def test_bos_starts_every_window(text_file: Path, og) -> None:
+    plain = perplexity(FP32, text=text_file, window=WINDOW, progress=False)
+    with_bos = perplexity(FP32, text=text_file, window=WINDOW, bos=1, progress=False)
+    assert plain.settings["bos"] is None and with_bos.settings["bos"] == 1
+    assert with_bos.settings["stride"] == WINDOW - 1  # one text token fewer per window
+    # Every text token of a window is scored after the BOS, so no window loses its first token.
+    assert with_bos.rows[0]["tokens"] == with_bos.settings["windows"] * (WINDOW - 1)
+    assert with_bos.rows[0]["perplexity"] != plain.rows[0]["perplexity"]
+    with pytest.raises(PerplexityError, match="bos must be"):
+        perplexity(FP32, text=text_file, window=WINDOW, bos=-1, progress=False)

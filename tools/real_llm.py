@@ -37,6 +37,9 @@ RULES = ("signed", "mse", "balanced", "amax8")  # "auto" without feeds is "balan
 GROUPS = (32, 128)
 COMPUTES = ("fp32", "int8")
 GROUP = 3  # models per perplexity call besides the reference
+# Gemma is trained with <bos> first, but the tokenizer transformers saves from its GGUF does not
+# add it (llama.cpp does, from the GGUF's add_bos_token): start every window with it.
+BOS = {"gemma3": 2}
 
 
 def builder_folders(root: Path, name: str) -> dict[str, Path]:
@@ -121,6 +124,7 @@ def measure(
                 threads=threads,
                 compute=compute,
                 max_tokens=max_tokens,
+                bos=BOS.get(name, "auto"),
             )
             print(report.format_table(), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             for (label, _, _), row in zip(batch, report.rows[1:], strict=True):

@@ -113,8 +113,10 @@ def to_hf(gguf: Path, hf_dir: Path) -> dict:
 # rope_local_base_freq, a flat rope_parameters); transformers 5 nests it per layer type.
 # Give the builder the old attributes, then run it as `python -m onnxruntime_genai.models.builder`.
 _BUILDER = """
-import runpy
-from onnxruntime_genai.models.builders import gemma
+import os, runpy, sys
+import onnxruntime_genai.models as models
+sys.path.insert(0, os.path.dirname(models.__file__))  # builder.py imports its parts as top-level modules
+import builders.gemma as gemma
 _init = gemma.Gemma3Model.__init__
 def init(self, config, *args, **kwargs):
     rope = getattr(config, "rope_parameters", None)

@@ -92,6 +92,7 @@ def _perplexity(args: argparse.Namespace) -> int:
         threads=args.threads,
         compute=args.compute,
         max_tokens=args.max_tokens,
+        bos=args.bos,
         progress=not args.quiet,
     )
     print(report.format_table())

@@ -391,6 +391,7 @@ def perplexity(
     threads: int | None = None,
     compute: str | None = None,
     max_tokens: int | None = None,
+    bos: int | str | None = "auto",
     progress: bool = True,
 ) -> PerplexityReport:
     """Perplexity, KL(reference || model) and top-1 agreement of ``models`` vs ``reference`` on the text file ``text``.
@@ -398,7 +399,8 @@ def perplexity(
     Models are ONNX files with a ``logits`` output or onnxruntime-genai folders; the tokenizer is
     ``tokenizer`` (a genai folder or a folder with tokenizer.json), else the first genai folder
     among the models. ``compute`` ("fp32"/"int8") runs every CimInt4MatMul in that mode;
-    ``max_tokens`` keeps the text's first N tokens. See the module doc for the windows.
+    ``max_tokens`` keeps the text's first N tokens. ``bos``: the id each window starts with;
+    "auto" (default) the one the tokenizer adds, None none. See the module doc for the windows.
     """
     text_path = Path(text)
     try:
@@ -415,7 +417,11 @@ def perplexity(
         raise PerplexityError("no tokenizer: pass --tokenizer DIR (a genai folder or one with tokenizer.json)")
     if max_tokens is not None and max_tokens < 1:
         raise PerplexityError(f"--max-tokens must be >= 1, got {max_tokens}")
-    encode, bos = load_tokenizer(tok_dir)
+    encode, tokenizer_bos = load_tokenizer(tok_dir)
+    if bos == "auto":
+        bos = tokenizer_bos
+    elif bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+        raise PerplexityError(f"bos must be 'auto', None or a token id >= 0, got {bos!r}")
     tokens = encode(content)
     if max_tokens is not None:
         tokens = tokens[:max_tokens]
@@ -455,6 +461,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _bos(text: str) -> int | str | None:
+    import argparse
+
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto, none or a token id, got {text!r}")
+    return int(text)
+
+
 def add_arguments(p) -> None:
     """The arguments of ``cim-int4 perplexity`` on the argparse parser ``p``."""
     p.add_argument("reference", help="the reference (FP32) model: .onnx file with a 'logits' output, or genai folder")
@@ -479,6 +495,13 @@ def add_arguments(p) -> None:
         "--compute", choices=("fp32", "int8"), default=None, help="run every CimInt4MatMul in this compute mode"
     )
     p.add_argument("--max-tokens", type=_positive, default=None, metavar="N", help="use the text's first N tokens")
+    p.add_argument(
+        "--bos",
+        type=_bos,
+        default="auto",
+        metavar="auto|none|ID",
+        help="token each window starts with (default auto: the tokenizer's BOS if it adds one)",
+    )
     p.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
