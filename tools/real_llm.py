@@ -100,6 +100,8 @@ def measure(
     root: Path, name: str, max_tokens: int | None, threads: int | None, window: int, only: str | None, group: int
 ) -> None:
     """Perplexity of every variant vs the FP32 folder, ``group`` models per call; one JSON per model."""
+    from cim_int4.exporter import DEFAULT_COMPUTE
+
     from cim_int4.perplexity import perplexity, write_json
 
     out_dir = root / name / "ppl"
@@ -110,7 +112,9 @@ def measure(
         todo = sorted((v for v in todo if v[0] in wanted), key=lambda v: wanted.index(v[0]))
     by_compute: dict[str | None, list] = {}
     for v in todo:
-        by_compute.setdefault(v[2], []).append(v)
+        # The exports' nodes carry the default compute (fp32): no override needed, so they
+        # share a call (and its reference run) with the builder's folders.
+        by_compute.setdefault(None if v[2] == DEFAULT_COMPUTE else v[2], []).append(v)
     text = root / "text" / "eval.txt"
     for compute, items in by_compute.items():
         for i in range(0, len(items), group):

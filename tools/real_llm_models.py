@@ -130,15 +130,47 @@ runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_
 """
 
 
+def full_kv_cache(folder: Path) -> bool:
+    """Give a genai folder's sliding-window layers a full KV cache, as ``windowed_kv_cache=false`` builds them.
+
+    The builder's default (a bounded cache, GroupQueryAttention ``sliding_window_cache=1``)
+    needs past inputs of the window's capacity, so a prefill cannot start from an empty past.
+    The attention is the same (``local_window_size`` stays). Only the graph and
+    genai_config.json change; the weights file is untouched. Returns whether anything changed.
+    """
+    import onnx
+
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    decoder = config["model"]["decoder"]
+    path = folder / decoder["filename"]
+    model = onnx.load(str(path), load_external_data=False)
+    changed = False
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            kept = [a for a in node.attribute if a.name != "sliding_window_cache"]
+            if len(kept) != len(node.attribute):
+                del node.attribute[:]
+                node.attribute.extend(kept)
+                changed = True
+    if changed:
+        onnx.save(model, str(path))  # external data references are kept as they are
+    if decoder.pop("sliding_window", None) is not None:
+        config_path.write_text(json.dumps(config, indent=4) + "\n")
+        changed = True
+    return changed
+
+
 def build_genai(hf_dir: Path, out: Path, precision: str, extra: list[str]) -> None:
-    """Run the onnxruntime-genai builder offline on the local float32 folder."""
+    """Run the onnxruntime-genai builder offline on the local float32 folder (full KV caches)."""
     if (out / "genai_config.json").exists():
+        full_kv_cache(out)
         return
+    extra = [*extra, "windowed_kv_cache=false"]
     cache = out.parent / "cache"
     cmd = [sys.executable, "-c", _BUILDER, "-i", str(hf_dir), "-o", str(out), "-p", precision, "-e", "cpu",
            "-c", str(cache)]
-    if extra:
-        cmd += ["--extra_options", *extra]
+    cmd += ["--extra_options", *extra]
     subprocess.run(cmd, check=True)
 
 
