@@ -169,7 +169,9 @@ def open_model(
     source: str | os.PathLike, threads: int | None = None, compute: str | None = None, label: str | None = None
 ) -> CausalLM:
     """Load an ONNX causal LM or a genai folder's decoder into an ORT session that can run CimInt4MatMul."""
-    from .ops import make_session
+    import onnxruntime as ort
+
+    from .ops import session_options
 
     src = Path(source)
     label = label or str(source)
@@ -194,7 +196,11 @@ def open_model(
     if not path.is_file():
         raise PerplexityError(f"{path}: no such model file")
     try:
-        session = make_session(path, threads=threads, pin=False, compute=compute)
+        so = session_options(threads, pin=False, compute=compute)
+        # No arena: each session would keep its peak activations (a window of logits, 0.5 GB
+        # for a 262k vocabulary) between runs, and a call holds several sessions.
+        so.enable_cpu_mem_arena = False
+        session = ort.InferenceSession(os.fspath(path), sess_options=so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT's load errors are plain exceptions; say which file
         raise PerplexityError(f"{path}: onnxruntime cannot load it ({' '.join(str(e).split())[:300]})") from e
     if LOGITS not in [o.name for o in session.get_outputs()]:
