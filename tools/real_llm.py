@@ -22,7 +22,9 @@ Three steps, each reusing what exists under ROOT (default /work/real):
 
 3. ``.venv/bin/python tools/real_llm.py table --root ROOT`` prints the markdown tables: perplexity,
    gap to FP32 as a multiple of MatMulNBits RTN's gap (accuracy_level 4, the builder's default,
-   at the same group size; and of level 0), KL per token and top-1 agreement.
+   at the same group size; and of level 0; the builder's int4 also quantizes the tied
+   embedding) and of export_int4 ``signed``'s (round-to-nearest through the same export,
+   embedding FP32), KL per token and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -158,9 +160,9 @@ def table(root: Path, name: str) -> str:
         f"{name}: FP32 perplexity {ref['perplexity']:.4f} on {s['scored_tokens']} scored tokens "
         f"({s['windows']} windows of {s['window']}, BOS {s['bos']}, {s['text']}).",
         "",
-        "| model | group | compute | perplexity | gap / RTN acc4 gap | gap / RTN acc0 gap | KL per token "
-        "| top-1 agreement |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | group | compute | perplexity | gap / RTN acc4 gap | gap / RTN acc0 gap | gap / `signed` gap "
+        "| KL per token | top-1 agreement |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ratio(row: dict, base: str) -> str:
@@ -179,7 +181,8 @@ def table(root: Path, name: str) -> str:
             what, compute = f"export_int4 `{label.split('-g')[0]}`", label.rsplit("-", 1)[1]
         lines.append(
             f"| {what} | {group} | {compute} | {row['perplexity']:.4f} | {ratio(row, f'nbits-acc4-g{group}')} | "
-            f"{ratio(row, f'nbits-acc0-g{group}')} | {row['kl']:.5f} | {row['top1_agreement']:.4f} |"
+            f"{ratio(row, f'nbits-acc0-g{group}')} | {ratio(row, f'signed-g{group}-fp32')} | {row['kl']:.5f} | "
+            f"{row['top1_agreement']:.4f} |"
         )
     return "\n".join(lines)
 

@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-rule",
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
-        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; README 'Accuracy')",
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced up to group 32, signed above; "
+        "with --feeds the one of them closer to FP32 on them; README 'Accuracy', docs/real-llm.md)",
     )
     p.add_argument(
         "--compute",
