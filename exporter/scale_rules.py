@@ -29,10 +29,10 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   and keeps the rule whose outputs are closer to FP32 on those inputs
   (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
   be better on every model without looking at its inputs: the errors of different
-  layers add or cancel by chance (README "Accuracy"). Why ``signed`` above group 32: on
-  real pretrained LLMs (docs/real-llm.md) ``balanced`` and ``mse`` at group 128 clip the
-  large weights of a group, which such models need: their perplexity gap to FP32 was 1.6x
-  round-to-nearest's, while at group 32 ``balanced`` was below it.
+  layers add or cancel by chance (docs/accuracy.md). Why ``signed`` above group 32: on
+  two real pretrained LLMs (docs/real-llm.md) ``balanced`` and ``mse`` at group 128 clip
+  the large weights of a group, which such models need: their perplexity gap to FP32 was
+  1.7-2.1x round-to-nearest's, while at group 32 ``balanced`` was at or below it.
 """
 
 from __future__ import annotations
