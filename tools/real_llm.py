@@ -102,8 +102,7 @@ def measure(
     root: Path, name: str, max_tokens: int | None, threads: int | None, window: int, only: str | None, group: int
 ) -> None:
     """Perplexity of every variant vs the FP32 folder, ``group`` models per call; one JSON per model."""
-    from cim_int4.exporter import DEFAULT_COMPUTE
-
+    from cim_int4.contract import DEFAULT_COMPUTE
     from cim_int4.perplexity import perplexity, write_json
 
     out_dir = root / name / "ppl"

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .contract import COMPUTE_MODES
 from .exporter import ExportError
 
 GENAI_CONFIG = "genai_config.json"
@@ -497,9 +498,7 @@ def add_arguments(p) -> None:
         "--tokenizer", metavar="DIR", help="genai folder or folder with tokenizer.json (default: the first genai model)"
     )
     p.add_argument("--threads", type=_positive, default=None, help="intra-op threads (default: one per physical core)")
-    p.add_argument(
-        "--compute", choices=("fp32", "int8"), default=None, help="run every CimInt4MatMul in this compute mode"
-    )
+    p.add_argument("--compute", choices=COMPUTE_MODES, default=None, help="run every CimInt4MatMul in this mode")
     p.add_argument("--max-tokens", type=_positive, default=None, metavar="N", help="use the text's first N tokens")
     p.add_argument(
         "--bos",
