@@ -103,7 +103,8 @@ def measure(
 ) -> None:
     """Perplexity of every variant vs the FP32 folder, ``group`` models per call; one JSON per model."""
     from cim_int4.contract import DEFAULT_COMPUTE
-    from cim_int4.perplexity import perplexity, write_json
+    from cim_int4.perplexity import perplexity
+    from cim_int4.report import write_json
 
     out_dir = root / name / "ppl"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +135,7 @@ def measure(
             print(report.format_table(), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             for (label, _, _), row in zip(batch, report.rows[1:], strict=True):
                 single = type(report)([report.rows[0], {**row, "label": label}], report.settings)
-                write_json(single, out_dir / f"{label}.json")
+                write_json(single.to_json(), out_dir / f"{label}.json")
 
 
 def load_results(root: Path, name: str) -> tuple[dict[str, dict], dict, dict]:

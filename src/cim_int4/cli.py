@@ -71,30 +71,6 @@ def _genai_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _perplexity(args: argparse.Namespace) -> int:
-    from .perplexity import perplexity, write_json
-
-    report = perplexity(
-        args.reference,
-        args.models,
-        text=args.text,
-        window=args.window,
-        stride=args.stride,
-        score_from=args.score_from,
-        tokenizer=args.tokenizer,
-        threads=args.threads,
-        compute=args.compute,
-        max_tokens=args.max_tokens,
-        bos=args.bos,
-        progress=not args.quiet,
-    )
-    print(report.format_table())
-    if args.json:
-        write_json(report, args.json)
-        print(f"cim-int4: wrote {args.json}")
-    return 0
-
-
 def _validate(args: argparse.Namespace) -> int:
     from .report import check_plotting, write_json
     from .validate import compare
@@ -297,11 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_validate)
 
-    from .perplexity import add_arguments as perplexity_arguments
+    from . import perplexity
 
     p = sub.add_parser("perplexity", help="perplexity, KL and top-1 agreement of causal LMs vs a reference on a text")
-    perplexity_arguments(p)
-    p.set_defaults(func=_perplexity)
+    perplexity.add_arguments(p)
+    p.set_defaults(func=perplexity.run)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
     from .demo import add_arguments as demo_arguments

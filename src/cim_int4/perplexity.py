@@ -511,9 +511,29 @@ def add_arguments(p) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
-def write_json(report: PerplexityReport, path: str | os.PathLike) -> None:
-    """Write the report as JSON to ``path``."""
-    Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+def run(args) -> int:
+    """``cim-int4 perplexity``: measure, print the table, write the JSON if asked; the exit code."""
+    from .report import write_json
+
+    report = perplexity(
+        args.reference,
+        args.models,
+        text=args.text,
+        window=args.window,
+        stride=args.stride,
+        score_from=args.score_from,
+        tokenizer=args.tokenizer,
+        threads=args.threads,
+        compute=args.compute,
+        max_tokens=args.max_tokens,
+        bos=args.bos,
+        progress=not args.quiet,
+    )
+    print(report.format_table())
+    if args.json:
+        write_json(report.to_json(), args.json)
+        print(f"cim-int4: wrote {args.json}")
+    return 0
 
 
 __all__ = [
@@ -527,6 +547,6 @@ __all__ = [
     "open_model",
     "perplexity",
     "score_window",
+    "run",
     "windows",
-    "write_json",
 ]
