@@ -12,11 +12,12 @@ from onnx import helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE
 from . import io
+from .calibration import FeedSource
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
-from .options import DEFAULT_COMPUTE, ExportOptions
+from .options import CALIBRATED, DEFAULT_COMPUTE, DEFAULT_METHOD, ExportOptions
 from .quantize import DEFAULT_SCALE_RULE
 from .rewrite import ExportSummary, rewrite_model
-from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
+from .sensitivity import DEFAULT_TARGET_COSINE, export_mixed
 from .simplify import simplify_model
 
 ModelSource = str | os.PathLike | onnx.ModelProto
@@ -126,12 +127,13 @@ def export_int4(
     min_size: int = 0,
     scale_rule: str = DEFAULT_SCALE_RULE,
     compute: str = DEFAULT_COMPUTE,
-    feeds: str | os.PathLike | Feeds | None = None,
+    feeds: FeedSource | None = None,
     target_cosine: float = DEFAULT_TARGET_COSINE,
     quiet: bool = False,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
     external_data: bool = False,
+    method: str = DEFAULT_METHOD,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
@@ -139,6 +141,9 @@ def export_int4(
     ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
     a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
     ``target_cosine`` on them (see exporter.sensitivity).
+    ``method``: how weights are rounded given ``feeds`` (``rtn``, ``gptq``, ``awq``, or ``auto``:
+    the best of them on the feeds; docs/methods.md); ``feeds`` may also be an iterable of
+    input dicts (several batches).
     ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
     From a path (without ``simplify`` or ``feeds``), weights are read one at a time and the
     output is written as it goes, so memory stays well under the model's size. The output keeps
@@ -159,6 +164,7 @@ def export_int4(
         "target_cosine": target_cosine,
         "fold_input_initializers": fold_input_initializers,
         "simplify": simplify,
+        "method": method,
     }
     if isinstance(model, onnx.ModelProto) or simplify or feeds is not None:
         # onnxsim and the sensitivity analysis need the whole model in memory: those exports do not stream.
@@ -215,10 +221,11 @@ def export_with_summary(
     min_size: int = 0,
     scale_rule: str = DEFAULT_SCALE_RULE,
     compute: str = DEFAULT_COMPUTE,
-    feeds: str | os.PathLike | Feeds | None = None,
+    feeds: FeedSource | None = None,
     target_cosine: float = DEFAULT_TARGET_COSINE,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
+    method: str = DEFAULT_METHOD,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
     return _export(
@@ -233,6 +240,7 @@ def export_with_summary(
         target_cosine=target_cosine,
         fold_input_initializers=fold_input_initializers,
         simplify=simplify,
+        method=method,
     )
 
 
@@ -245,12 +253,17 @@ def _export(
     min_size: int,
     scale_rule: str,
     compute: str,
-    feeds: str | os.PathLike | Feeds | None,
+    feeds: FeedSource | None,
     target_cosine: float,
     fold_input_initializers: bool | None,
     simplify: bool,
+    method: str = DEFAULT_METHOD,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
-    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers)
+    options = ExportOptions(
+        group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers, method=method
+    )
+    if feeds is None and options.method in CALIBRATED:
+        raise ValueError(f"method {method!r} needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)")
     note = None
     if simplify:
         model, note = simplify_model(model)

@@ -14,11 +14,15 @@ the dequantized INT4 weight of a layer there gives that layer's exact INT4 weigh
    runs (every other layer in INT4) finds the fewest that reach the target. Each probe is
    one run: every layer INT4, the guess, then at most ``ceil(log2(L + 1))`` more.
 
-With scale rule ``auto``, two runs before step 2 choose the rule (``choose_rule``): every
-layer INT4 with ``balanced``, then with ``signed`` (round-to-nearest, what MatMulNBits does);
-the one with the better *mean* cosine over the calibration rows quantizes every layer (the
-worst row of a small batch is too noisy to choose by). ``target_cosine=0`` stops there: no layer
-is kept FP32 and no per-layer run is made.
+Before step 2, ``exporter.methods.calibrate`` quantizes every layer: with scale rule or
+method ``auto`` it runs the model with every layer INT4 under each (method, rule) pair and
+keeps the pair with the better *mean* cosine over the calibration rows (the worst row of a
+small batch is too noisy to choose by); GPTQ and AWQ first gather each layer's input
+statistics (``exporter.calibration``). ``target_cosine=0`` stops after one run with every
+layer INT4: no layer is kept FP32 and no per-layer run is made.
+
+The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterable of dicts):
+every run goes over all of them, and cosines are taken per row of each.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
 Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
@@ -28,58 +32,22 @@ the worst over all of them.
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from ..ops.reference import dequantize
 from ..ops.session import session_options
+from .calibration import Feeds, FeedSource, feed_batches
+from .methods import MethodChoice, calibrate
 from .options import ExportOptions
-from .quantize import QuantizedWeight, quantize_weight
-from .rewrite import ExportSummary, probe_model, rewrite_model
+from .probe import make_session, row_cosines, row_rel_l2
+from .quantize import QuantizedWeight
+from .rewrite import ExportSummary, rewrite_model
 from .scale_rules import AUTO_CHOICES
 
 DEFAULT_TARGET_COSINE = 0.99
-# Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
-_IN_MEMORY_LIMIT = 1 << 30
-
-Feeds = Mapping[str, np.ndarray]
-
-
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
-
-
-def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
-        # Two all-zero rows agree; one zero row against a non-zero one does not.
-        both = nr * no
-        cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
-        found.append(np.where(both > 0, cos, (nr == 0) & (no == 0)))
-    return np.concatenate(found) if found else np.ones(0)
-
-
-def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
-        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
-    return np.concatenate(found) if found else np.zeros(0)
 
 
 def _worst(cosines: np.ndarray) -> float:
@@ -98,36 +66,8 @@ def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray])
 
 
 def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s graph inputs."""
-    if isinstance(source, Mapping):
-        feeds, where = {k: np.asarray(v) for k, v in source.items()}, "feeds"
-    else:
-        where = str(source)
-        try:
-            with np.load(source, allow_pickle=False) as data:
-                feeds = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: not a readable .npz of input arrays ({e})") from e
-    initializers = {t.name for t in model.graph.initializer}
-    needed = [i.name for i in model.graph.input if i.name not in initializers]
-    missing = [n for n in needed if n not in feeds]
-    unknown = [n for n in feeds if n not in {i.name for i in model.graph.input}]
-    if missing or unknown:
-        raise ValueError(f"{where}: model inputs {needed}; missing {missing}, not inputs of the model {unknown}")
-    return feeds
-
-
-def _session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
-    if model.ByteSize() < _IN_MEMORY_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    # Saving with external data moves the tensors out of the proto it is given: save a copy,
-    # the caller's model (the user's, in export_mixed) must stay whole.
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
-        path = Path(tmp) / "model.onnx"
-        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    """One batch of calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s graph inputs."""
+    return feed_batches(source, model)[0]
 
 
 @dataclass(frozen=True)
@@ -140,16 +80,8 @@ class LayerSensitivity:
     kept: bool
 
 
-@dataclass(frozen=True)
-class RuleChoice:
-    """What scale rule ``auto`` chose: per rule, the mean output cosine over the calibration rows, all layers INT4."""
-
-    cosine: dict[str, float]
-
-    @property
-    def chosen(self) -> str:
-        """The rule with the best cosine; on a tie the first of AUTO_CHOICES (balanced)."""
-        return max(AUTO_CHOICES, key=lambda rule: self.cosine[rule])
+# What scale rule / method "auto" chose (kept under its first name).
+RuleChoice = MethodChoice
 
 
 @dataclass
@@ -162,7 +94,11 @@ class MixedPrecision:
     cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
     cosine_exported: float | None = None  # the exported model, CimInt4MatMul
     runs: int = 0
-    rule_choice: RuleChoice | None = None  # scale rule "auto" only
+    rule_choice: MethodChoice | None = None  # scale rule or method "auto" only
+    method: str = "rtn"
+    calibration_runs: int = 0  # of the runs, those of the calibration pass
+    calibration_bytes: int = 0  # statistics held by the calibration pass
+    awq_inputs: int = 0  # layer inputs with an AWQ scale folded into their producer
 
     @property
     def int4_share(self) -> float:
@@ -181,9 +117,15 @@ class MixedPrecision:
                 f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
             )
         lines = [f"{head} ({self.runs} model runs)"]
+        if self.calibration_runs:
+            lines.append(
+                f"    method {self.method}: calibration pass of {self.calibration_runs} run(s), "
+                f"{self.calibration_bytes / 2**20:.1f} MiB of X^T X statistics"
+                + (f"; AWQ scales folded at {self.awq_inputs} layer input(s)" if self.awq_inputs else "")
+            )
         if self.rule_choice is not None:
             tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
-            lines.append(f"    scale rule auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
+            lines.append(f"    auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
         lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
@@ -208,52 +150,40 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 
 
 def plan(
-    model: onnx.ModelProto, feeds: Feeds, target_cosine: float, options: ExportOptions
-) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
-    """Which candidate layers to keep FP32 (key -> reason), every candidate's INT4 weight, and the report."""
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], target_cosine: float, options: ExportOptions
+) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
+    """The model to rewrite, the layers to keep FP32 (key -> reason), every candidate's INT4 weight, the report.
+
+    ``feeds``: one batch (a dict) or a sequence of batches. The model returned is ``model``, or
+    a copy with AWQ scales folded in when that method was chosen.
+    """
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
-    probe, candidates = probe_model(model, options)
-    report = MixedPrecision(target_cosine=target_cosine)
+    batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
+    chosen = calibrate(model, batches, options)
+    probe, candidates, quantized = chosen.probe, chosen.probe.candidates, chosen.quantized
+    report = MixedPrecision(target_cosine=target_cosine, rule_choice=chosen.choice, awq_inputs=chosen.awq_inputs)
+    report.method = options.method
+    if chosen.calibration is not None:
+        report.calibration_runs = chosen.calibration.runs
+        report.calibration_bytes = chosen.calibration.state_bytes
     if not candidates:
-        return {}, {}, report
-    quiet = ort.SessionOptions()
-    quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-    session = _session(probe, quiet)
-
-    def quantize_all(rule: str) -> dict[str, QuantizedWeight]:
-        return {c.key: quantize_weight(c.w, options.group_size, rule) for c in candidates}
-
-    def cosines(int4_layers: Sequence[int], weights: Mapping[str, QuantizedWeight]) -> np.ndarray:
-        """Every output row's cosine vs FP32 with ``int4_layers`` INT4 (``weights``) and the rest FP32."""
-        report.runs += 1
-        int4 = {}
-        for i in int4_layers:
-            qw = weights[candidates[i].key]
-            int4[candidates[i].weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
-        return row_cosines(reference, session.run(None, {**feeds, **int4}))
+        return chosen.model, {}, {}, report
 
     def run(int4_layers: Sequence[int]) -> float:
-        return _worst(cosines(int4_layers, quantized))
+        return _worst(probe.cosines(int4_layers, quantized))
 
-    reference = session.run(None, dict(feeds))
-    report.runs += 1
     everyone = range(len(candidates))
     cosine_at: dict[int, float] = {len(candidates): 1.0}  # keep-count (a prefix of `order`) -> cosine
-    if options.scale_rule == "auto":
-        tried = {rule: quantize_all(rule) for rule in AUTO_CHOICES}
-        rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
-        report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
-        quantized = tried[report.rule_choice.chosen]
-        cosine_at[0] = _worst(rows[report.rule_choice.chosen])
-    else:
-        quantized = quantize_all(options.scale_rule)
+
+    def finish() -> None:
+        report.runs = probe.runs + chosen.other_runs
+
     if target_cosine == 0.0:
-        if 0 not in cosine_at:
-            cosine_at[0] = run(everyone)
-        report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
+        report.cosine_all_int4 = report.cosine_probe = cosine_at[0] = run(everyone)
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
-        return {}, quantized, report
+        finish()
+        return chosen.model, {}, quantized, report
     alone = [run([i]) for i in everyone]
     order = sorted(range(len(candidates)), key=lambda i: alone[i])  # most damaging first
     damage = [max(0.0, 1.0 - alone[i]) for i in order]
@@ -278,34 +208,41 @@ def plan(
     keep = {
         candidates[i].key: _keep_reason(rank + 1, len(order), report.layers[i]) for rank, i in enumerate(order[:hi])
     }
-    return keep, quantized, report
+    finish()
+    return chosen.model, keep, quantized, report
 
 
-def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
-    """The RuleChoice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
-    return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
+def choose_rule(cosine: Mapping[str, float]) -> MethodChoice:
+    """The choice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
+    return MethodChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
 def export_mixed(
-    model: onnx.ModelProto, feeds: str | os.PathLike | Feeds, target_cosine: float, options: ExportOptions
+    model: onnx.ModelProto, feeds: FeedSource, target_cosine: float, options: ExportOptions
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach ``target_cosine`` on ``feeds``."""
-    feeds = load_feeds(feeds, model)
-    keep, quantized, report = plan(model, feeds, target_cosine, options)
-    out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
+    batches = feed_batches(feeds, model)
+    chosen, keep, quantized, report = plan(model, batches, target_cosine, options)
+    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
+    del chosen
     summary.mixed_precision = report
     if report.rule_choice is not None:
         summary.scale_rule = f"auto: {report.rule_choice.chosen}"
+    elif options.method != "rtn" or options.scale_rule == "auto":
+        summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        fp32 = _session(model, session_options(pin=False))
-        int4 = _session(out, session_options(pin=False))
-        report.cosine_exported = worst_cosine(fp32.run(None, dict(feeds)), int4.run(None, dict(feeds)))
+        int4 = make_session(out, session_options(pin=False))
+        fp32 = make_session(model, session_options(pin=False))
+        cos = [row_cosines(fp32.run(None, dict(b)), int4.run(None, dict(b))) for b in batches]
+        report.cosine_exported = _worst(np.concatenate(cos))
     return out, summary
 
 
 __all__ = [
     "DEFAULT_TARGET_COSINE",
+    "Feeds",
     "LayerSensitivity",
+    "MethodChoice",
     "MixedPrecision",
     "RuleChoice",
     "choose_rule",

@@ -1,0 +1,180 @@
+"""Quantization methods on calibration inputs: round-to-nearest, GPTQ, AWQ, and ``auto`` choosing among them.
+
+* ``rtn``: each group rounded on its own under the scale rule (no calibration needed).
+* ``gptq``: ``exporter.gptq`` with each layer's ``X^T X`` from the calibration pass.
+* ``awq``: ``exporter.awq`` scales searched per layer input and folded into the model
+  (which then computes the same FP32 function), then round-to-nearest.
+* ``auto``: every method above; without feeds it is ``rtn`` (an export without calibration
+  inputs is unchanged).
+
+Scale rule ``auto`` means every rule of ``AUTO_CHOICES`` under each method. When more than
+one (method, rule) pair is in play, each quantizes every layer and the model runs once over
+the calibration batches per pair; the pair with the best mean output cosine over the
+calibration rows wins (``MethodChoice``). Costs, in ORT runs of the model over the B batches:
+B for the FP32 reference (plus B for the calibration pass when a method needs it: the
+statistics are gathered in the reference run's session, a second pass since the reference
+outputs are kept apart), then B per pair compared. AWQ needs a second session of the
+transformed model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from . import awq
+from .calibration import Calibration, Feeds, collect, split
+from .gptq import Factor, factor, gptq_quantize
+from .options import CALIBRATED, ExportOptions
+from .probe import Probe
+from .quantize import QuantizedWeight, quantize_weight
+from .rewrite import node_label
+from .scale_rules import AUTO_CHOICES
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """What ``auto`` chose: per (method, rule) label, the mean output cosine on calibration rows, all layers INT4."""
+
+    cosine: dict[str, float]
+
+    @property
+    def chosen(self) -> str:
+        """The label with the best cosine; on a tie the first tried."""
+        return max(self.cosine, key=lambda label: self.cosine[label])
+
+
+@dataclass
+class Calibrated:
+    """The model to rewrite (AWQ scales folded in, or the input), its probe, INT4 weights, the choice."""
+
+    model: onnx.ModelProto
+    probe: Probe
+    quantized: dict[str, QuantizedWeight]
+    choice: MethodChoice | None = None
+    calibration: Calibration | None = None
+    awq_inputs: int = 0  # layer inputs whose AWQ scale was folded into the chosen model
+    other_runs: int = 0  # runs of a probe session not chosen (AWQ's, or the input model's)
+
+
+def _label(method: str, rule: str, methods: Sequence[str]) -> str:
+    return rule if methods == ("rtn",) else f"{method}/{rule}"
+
+
+def quantize_candidates(
+    probe: Probe,
+    method: str,
+    rule: str,
+    options: ExportOptions,
+    calibration: Calibration | None,
+    factors: dict[str, Factor] | None = None,
+) -> dict[str, QuantizedWeight]:
+    """Every candidate of ``probe`` quantized with ``method`` ("rtn" or "gptq") and scale rule ``rule``.
+
+    ``factors`` caches GPTQ's factor per layer input (q, k and v share theirs) across calls on ``calibration``.
+    """
+    out = {}
+    factors = {} if factors is None else factors
+    for c in probe.candidates:
+        if method == "gptq":
+            assert calibration is not None
+            x = probe.inputs[c.key]
+            if x not in factors:
+                xtx = calibration.stats[x].xtx
+                factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
+            out[c.key] = gptq_quantize(c.w, factors[x], options.group_size, rule, block=options.gptq_block)
+        else:
+            out[c.key] = quantize_weight(c.w, options.group_size, rule)
+    return out
+
+
+def _awq_model(
+    model: onnx.ModelProto, probe: Probe, calibration: Calibration, options: ExportOptions, rule: str
+) -> tuple[onnx.ModelProto, int]:
+    """``model`` with AWQ scales folded in (searched under ``rule``; ``model`` if none helps), and their count."""
+    keys = {c.key: c for c in probe.candidates}
+    readers = {}
+    for i, node in enumerate(model.graph.node):
+        c = keys.get(node_label(node, i))
+        if c is not None and node.op_type == "MatMul" and probe.inputs[c.key] == node.input[0]:
+            readers[i] = c
+    sites = awq.find_sites(model, {i: c.w.shape[0] for i, c in readers.items()})
+    scales = {}
+    for site in sites:
+        weights = [readers[r].w for r in site.readers]
+        s, loss, plain = awq.search(weights, calibration.stats[site.x], options.group_size, rule)
+        if loss < plain:
+            scales[site.x] = s
+    if not scales:
+        return model, 0
+    return awq.apply_scales(model, sites, scales), len(scales)
+
+
+def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions) -> Calibrated:
+    """Quantize every candidate layer of ``model`` with ``options.method`` on the calibration ``batches``."""
+    methods = ("rtn", "gptq", "awq") if options.method == "auto" else (options.method,)
+    rules = AUTO_CHOICES if options.scale_rule == "auto" else (options.scale_rule,)
+    pairs = [(m, r) for m in methods for r in rules]
+    needs_stats = any(m in CALIBRATED for m in methods)
+    # Calibrated methods compared on batches they were not fitted on (calibration.split).
+    batches, fit, held = split(batches) if needs_stats and len(pairs) > 1 else (list(batches), [], [])
+    probe = Probe(model, options, batches, calibrate=needs_stats)
+    result = Calibrated(model, probe, {})
+    if not probe.candidates:
+        return result
+    full = None
+    if needs_stats:
+        assert probe.session is not None
+        tensors = {probe.inputs[c.key]: c.w.shape[0] for c in probe.candidates}
+        if fit and fit != held:
+            parts = [collect(probe.session, tensors, [batches[i] for i in part]) for part in (fit, held)]
+            stats = {t: parts[0].stats[t] + parts[1].stats[t] for t in tensors}
+            full = Calibration(stats, len(batches), 2 * parts[0].state_bytes)
+            fitted = parts[0]
+        else:
+            full = fitted = collect(probe.session, tensors, batches)
+        probe.runs += full.runs
+        result.calibration = full
+    awq_rule = "mse" if len(rules) > 1 else rules[0]
+
+    cache: dict[int, dict[str, Factor]] = {}
+    shifted_cache: dict[int, tuple[Probe, int]] = {}
+
+    def build(method: str, rule: str, calibration: Calibration | None) -> tuple[Probe, dict[str, QuantizedWeight]]:
+        if method != "awq":
+            factors = cache.setdefault(id(calibration), {})
+            return probe, quantize_candidates(probe, method, rule, options, calibration, factors)
+        assert calibration is not None
+        if id(calibration) not in shifted_cache:  # one search per calibration, whatever the rule
+            shifted, count = _awq_model(model, probe, calibration, options, awq_rule)
+            where = probe if shifted is model else Probe(shifted, options, batches)
+            if where is not probe:
+                where.share_reference(probe)
+                where.model = shifted
+            shifted_cache.clear()
+            shifted_cache[id(calibration)] = (where, count)
+        where, result.awq_inputs = shifted_cache[id(calibration)]
+        return where, quantize_candidates(where, "rtn", rule, options, None)
+
+    if len(pairs) > 1:
+        cosine: dict[str, float] = {}
+        for m, r in pairs:
+            where, weights = build(m, r, fitted if needs_stats else None)
+            rows = where.cosines(range(len(where.candidates)), weights, held or None)
+            cosine[_label(m, r, methods)] = float(np.mean(rows)) if rows.size else 1.0
+            del where, weights
+        result.choice = MethodChoice(cosine)
+        method, rule = next((m, r) for m, r in pairs if _label(m, r, methods) == result.choice.chosen)
+    else:
+        method, rule = pairs[0]
+    result.probe, result.quantized = build(method, rule, full)
+    result.model = result.probe.model or model
+    others = {id(p): p for p, _ in shifted_cache.values()} | {id(probe): probe}
+    result.other_runs = sum(p.runs for p in others.values() if p is not result.probe)
+    return result
+
+
+__all__ = ["Calibrated", "MethodChoice", "calibrate", "quantize_candidates"]
