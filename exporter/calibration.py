@@ -131,37 +131,67 @@ def expose(model: onnx.ModelProto, tensors: Iterable[str]) -> None:
     )
 
 
-def collect(session: ort.InferenceSession, tensors: Mapping[str, int], batches: Sequence[Feeds]) -> Calibration:
+# Rows of one batch: (batch index, rows along its first axis, None for all of them).
+Part = tuple[int, slice | None]
+
+
+def rows_of(x: np.ndarray, rows: slice | None, batch_rows: int) -> np.ndarray:
+    """``x``'s rows of a part, where its first axis is the batch's (else all of it: a reshaped input cannot be cut)."""
+    if rows is None or x.ndim < 2 or x.shape[0] != batch_rows:
+        return x
+    return x[rows]
+
+
+def batch_rows(batch: Feeds) -> int:
+    sizes = {np.shape(v)[0] if np.ndim(v) else 0 for v in batch.values()}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def collect(
+    session: ort.InferenceSession,
+    tensors: Mapping[str, int],
+    batches: Sequence[Feeds],
+    held: Sequence[Part] = (),
+) -> tuple[Calibration, Calibration | None]:
     """Stats of every float32 tensor in ``tensors`` (name -> K, outputs of ``session``'s model; see ``expose``).
 
     One ORT run per batch; each batch's activations are folded in and dropped before the next.
+    Rows in ``held`` go to the second Calibration (None without ``held``), the others to the first.
     """
     names = list(tensors)
-    stats = {t: Stats(np.zeros((k, k), np.float32), np.zeros(k)) for t, k in tensors.items()}
+
+    def empty() -> dict[str, Stats]:
+        return {t: Stats(np.zeros((k, k), np.float32), np.zeros(k)) for t, k in tensors.items()}
+
+    fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
-    for batch in batches:
+    for b, batch in enumerate(batches):
         values = session.run(names, {k: v for k, v in batch.items() if k in known})
+        rows = batch_rows(batch)
+        held_rows = [r for i, r in held if i == b]
         for name, x in zip(names, values, strict=True):
             if x.shape[-1] != tensors[name]:
                 raise ValueError(f"layer input {name!r} has {x.shape[-1]} channels, expected {tensors[name]}")
-            stats[name].add(x)
+            if not held_rows:
+                fit[name].add(x)
+                continue
+            assert out is not None
+            cut = held_rows[0]
+            if cut is None or rows_of(x, cut, rows) is x:
+                out[name].add(x)  # the whole batch is held out (or cannot be cut)
+                continue
+            out[name].add(rows_of(x, cut, rows))
+            fit[name].add(np.delete(x, np.arange(rows)[cut], axis=0))
         del values
-    state = sum(s.xtx.nbytes + s.abs_sum.nbytes for s in stats.values())
-    return Calibration(stats, len(batches), state)
+    state = sum(s.xtx.nbytes + s.abs_sum.nbytes for s in fit.values())
+    first = Calibration(fit, len(batches), state)
+    return first, (None if out is None else Calibration(out, 0, state))
 
 
-def split(batches: Sequence[Feeds]) -> tuple[list[Feeds], list[int], list[int]]:
-    """(batches, fit indices, held-out indices): every other batch held out; one batch is cut in two along axis 0.
-
-    A single batch whose inputs do not share a first axis of 2 or more is both fitted and held out.
-    """
-    batches = list(batches)
-    if len(batches) == 1:
-        sizes = {np.shape(v)[0] if np.ndim(v) else 0 for v in batches[0].values()}
-        if len(sizes) == 1 and (rows := sizes.pop()) >= 2:
-            half = rows // 2
-            batches = [{k: v[:half] for k, v in batches[0].items()}, {k: v[half:] for k, v in batches[0].items()}]
-        else:
-            return batches, [0], [0]
-    indices = list(range(len(batches)))
-    return batches, indices[0::2], indices[1::2]
+def split(batches: Sequence[Feeds]) -> list[Part]:
+    """The held-out rows: every other batch, or the odd rows (first axis) of a single batch; [] if neither."""
+    if len(batches) > 1:
+        return [(b, None) for b in range(1, len(batches), 2)]
+    if batch_rows(batches[0]) >= 2:
+        return [(0, slice(1, None, 2))]
+    return []

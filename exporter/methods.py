@@ -58,6 +58,7 @@ class Calibrated:
     calibration: Calibration | None = None
     awq_inputs: int = 0  # layer inputs whose AWQ scale was folded into the chosen model
     other_runs: int = 0  # runs of a probe session not chosen (AWQ's, or the input model's)
+    all_int4: np.ndarray | None = None  # the chosen weights' row cosines on every batch, when the choice measured them
 
 
 def _label(method: str, rule: str, methods: Sequence[str]) -> str:
@@ -119,8 +120,9 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     rules = AUTO_CHOICES if options.scale_rule == "auto" else (options.scale_rule,)
     pairs = [(m, r) for m in methods for r in rules]
     needs_stats = any(m in CALIBRATED for m in methods)
-    # Calibrated methods compared on batches they were not fitted on (calibration.split).
-    batches, fit, held = split(batches) if needs_stats and len(pairs) > 1 else (list(batches), [], [])
+    # Calibrated methods compared on rows they were not fitted on (calibration.split).
+    batches = list(batches)
+    held = split(batches) if needs_stats and len(pairs) > 1 else []
     probe = Probe(model, options, batches, calibrate=needs_stats)
     result = Calibrated(model, probe, {})
     if not probe.candidates:
@@ -129,13 +131,11 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     if needs_stats:
         assert probe.session is not None
         tensors = {probe.inputs[c.key]: c.w.shape[0] for c in probe.candidates}
-        if fit and fit != held:
-            parts = [collect(probe.session, tensors, [batches[i] for i in part]) for part in (fit, held)]
-            stats = {t: parts[0].stats[t] + parts[1].stats[t] for t in tensors}
-            full = Calibration(stats, len(batches), 2 * parts[0].state_bytes)
-            fitted = parts[0]
-        else:
-            full = fitted = collect(probe.session, tensors, batches)
+        fitted, other = collect(probe.session, tensors, batches, held)
+        full = fitted
+        if other is not None:
+            stats = {t: fitted.stats[t] + other.stats[t] for t in tensors}
+            full = Calibration(stats, len(batches), 2 * fitted.state_bytes)
         probe.runs += full.runs
         result.calibration = full
     awq_rule = "mse" if len(rules) > 1 else rules[0]
@@ -161,13 +161,17 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
 
     if len(pairs) > 1:
         cosine: dict[str, float] = {}
+        rows_of_pair: dict[tuple[str, str], np.ndarray] = {}
         for m, r in pairs:
             where, weights = build(m, r, fitted if needs_stats else None)
             rows = where.cosines(range(len(where.candidates)), weights, held or None)
             cosine[_label(m, r, methods)] = float(np.mean(rows)) if rows.size else 1.0
+            if not held:
+                rows_of_pair[(m, r)] = rows
             del where, weights
         result.choice = MethodChoice(cosine)
         method, rule = next((m, r) for m, r in pairs if _label(m, r, methods) == result.choice.chosen)
+        result.all_int4 = rows_of_pair.get((method, rule))
     else:
         method, rule = pairs[0]
     result.probe, result.quantized = build(method, rule, full)

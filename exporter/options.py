@@ -15,9 +15,9 @@ from .scale_rules import check_scale_rule
 DEFAULT_COMPUTE = "fp32"
 
 
-# How weights are rounded given calibration inputs (exporter.methods); "auto" without them is "rtn".
+# How weights are rounded given calibration inputs (exporter.methods); every method without them is "rtn".
 METHODS = ("rtn", "gptq", "awq", "auto")
-DEFAULT_METHOD = "auto"
+DEFAULT_METHOD = "rtn"
 CALIBRATED = ("gptq", "awq")  # the methods that need calibration inputs
 
 

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from ..ops.reference import dequantize
-from .calibration import Feeds, expose
+from .calibration import Feeds, Part, batch_rows, expose, rows_of
 from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Candidate, probe_model
@@ -103,7 +103,7 @@ class Probe:
         return self.session.run(self.outputs, {**batch, **(weights or {})})
 
     def cosines(
-        self, layers: Sequence[int], weights: Mapping[str, QuantizedWeight], batches: Sequence[int] | None = None
+        self, layers: Sequence[int], weights: Mapping[str, QuantizedWeight], parts: Sequence[Part] | None = None
     ) -> np.ndarray:
         """Each output row's cosine vs FP32 over the batches, ``layers`` in INT4 (``weights``), the rest FP32."""
         int4 = {}
@@ -112,9 +112,12 @@ class Probe:
             qw = weights[c.key]
             int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
         found = []
-        for b in range(len(self.batches)) if batches is None else batches:
-            reference = self.reference(b)
-            found.append(row_cosines(reference, self._run(self.batches[b], int4)))
+        for b, rows in [(b, None) for b in range(len(self.batches))] if parts is None else parts:
+            reference, outputs = self.reference(b), self._run(self.batches[b], int4)
+            if rows is not None:  # the rows of the first axis asked for, in every output that has them
+                n = batch_rows(self.batches[b])
+                reference, outputs = [rows_of(r, rows, n) for r in reference], [rows_of(o, rows, n) for o in outputs]
+            found.append(row_cosines(reference, outputs))
         return np.concatenate(found) if found else np.ones(0)
 
     def reference(self, index: int) -> list[np.ndarray]:

@@ -23,10 +23,10 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   candidate is also tried at its best step for that objective (scored with the codes that
   step rounds to).
 * ``"auto"`` (the default): ``balanced``; with calibration inputs (export ``feeds=``) the
-  exporter runs the model with every layer ``balanced`` and with every layer ``signed``
-  and keeps the rule whose outputs are closer to FP32 on those inputs
-  (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
-  be better on every model without looking at its inputs: the errors of different
+  exporter runs the model with every layer under each rule of ``AUTO_CHOICES`` (``balanced``,
+  ``signed``, ``mse``) and keeps the rule whose outputs are closer to FP32 on those inputs
+  (``exporter.methods.calibrate``; with a calibrated method, under that method). No rule that
+  differs from round-to-nearest can be better on every model without looking at its inputs: the errors of different
   layers add or cancel by chance (README "Accuracy").
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
 # What "auto" means without calibration inputs, and the rules it chooses between with them.
 AUTO_RULE = "balanced"
-AUTO_CHOICES = ("balanced", "signed")
+AUTO_CHOICES = ("balanced", "signed", "mse")
 
 # Weight of the squared running error sum in the balanced rule's objective (per unit of the
 # squared error). Measured on 4096x4096 with 1% 10x outlier columns: 0.03, 0.1 and 0.25

@@ -125,7 +125,10 @@ class MixedPrecision:
             )
         if self.rule_choice is not None:
             tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
-            lines.append(f"    auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
+            what = "scale rule auto" if self.method == "rtn" else f"method {self.method}, scale rule auto"
+            if self.method == "auto":
+                what = "method auto"
+            lines.append(f"    {what}: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
         lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
@@ -175,12 +178,16 @@ def plan(
 
     everyone = range(len(candidates))
     cosine_at: dict[int, float] = {len(candidates): 1.0}  # keep-count (a prefix of `order`) -> cosine
+    if chosen.all_int4 is not None:
+        cosine_at[0] = _worst(chosen.all_int4)
 
     def finish() -> None:
         report.runs = probe.runs + chosen.other_runs
 
     if target_cosine == 0.0:
-        report.cosine_all_int4 = report.cosine_probe = cosine_at[0] = run(everyone)
+        if 0 not in cosine_at:
+            cosine_at[0] = run(everyone)
+        report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
         finish()
         return chosen.model, {}, quantized, report
