@@ -59,7 +59,7 @@ def _check(feeds: dict[str, np.ndarray], model: onnx.ModelProto, where: str) -> 
             dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
             fixed = all(d is None or d == v for d, v in zip(dims, value.shape, strict=False))
             if value.ndim != len(dims) or not fixed:
-                shown = ["?" if d is None else d for d in dims]
+                shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
                 raise ValueError(f"{where}: input {name!r} has shape {list(value.shape)}, the model expects {shown}")
     return feeds
 

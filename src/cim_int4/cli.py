@@ -16,6 +16,7 @@ from .exporter import (
     NothingToQuantize,
     export_int4,
 )
+from .exporter.options import CALIBRATED, DEFAULT_METHOD, METHODS
 from .exporter.sensitivity import DEFAULT_TARGET_COSINE
 from .ops.reference import COMPUTE_MODES
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
@@ -25,6 +26,8 @@ from .report import MissingPlotting
 def _export(args: argparse.Namespace) -> int:
     if args.target_cosine is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
+    if args.method in CALIBRATED and args.feeds is None:
+        raise ValueError(f"--method {args.method} needs --feeds DATA.npz (the calibration inputs it learns from)")
     export_int4(
         args.model,
         args.output,
@@ -39,6 +42,7 @@ def _export(args: argparse.Namespace) -> int:
         fold_input_initializers=args.fold_input_initializers,
         simplify=args.simplify,
         external_data=args.external_data,
+        method=args.method,
     )
     return 0
 
@@ -174,8 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-rule",
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
-        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; README 'Accuracy')",
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or the rule --feeds "
+        "show closest to FP32; README 'Accuracy')",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, or auto (the best "
+        "of them on the feeds); gptq and awq need --feeds; docs/methods.md",
     )
     p.add_argument(
         "--compute",
