@@ -26,7 +26,7 @@ from .rewrite import Candidate, probe_model
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
 _IN_MEMORY_LIMIT = 1 << 30
 # FP32 reference outputs kept across comparisons up to this size (an LLM's logits are 0.5 GB a window).
-REFERENCE_BYTES = 512 << 20
+REFERENCE_BYTES = 512 << 20  # (as float16 where exact enough: see _compact)
 
 
 def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -73,6 +73,13 @@ def make_session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.Inf
         onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
         del copy
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _compact(x: np.ndarray) -> np.ndarray:
+    """A float32 output as float16 when that keeps it finite (a cosine near 1 moves by ~1e-7), else as it is."""
+    if x.dtype != np.float32 or x.size == 0 or not np.all(np.abs(x) < 6e4):
+        return x
+    return x.astype(np.float16)
 
 
 class Probe:
@@ -125,12 +132,13 @@ class Probe:
         if self._reference is not None and index in self._reference:
             return self._reference[index]
         outs = self._run(self.batches[index])
+        kept = [_compact(o) for o in outs]
         if self._reference is None:
-            size = sum(o.nbytes for o in outs) * len(self.batches)
+            size = sum(o.nbytes for o in kept) * len(self.batches)
             if size <= REFERENCE_BYTES:
                 self._reference = {}
         if self._reference is not None:
-            self._reference[index] = outs
+            self._reference[index] = kept
         return outs
 
     def share_reference(self, other: Probe) -> None:

@@ -42,7 +42,7 @@ from ..ops.session import session_options
 from .calibration import Feeds, FeedSource, feed_batches
 from .methods import MethodChoice, calibrate
 from .options import ExportOptions
-from .probe import make_session, row_cosines, row_rel_l2
+from .probe import Probe, make_session, row_cosines, row_rel_l2
 from .quantize import QuantizedWeight
 from .rewrite import ExportSummary, rewrite_model
 from .scale_rules import AUTO_CHOICES
@@ -160,6 +160,13 @@ def plan(
     ``feeds``: one batch (a dict) or a sequence of batches. The model returned is ``model``, or
     a copy with AWQ scales folded in when that method was chosen.
     """
+    return _plan(model, feeds, target_cosine, options)[:4]
+
+
+def _plan(
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], target_cosine: float, options: ExportOptions
+) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision, Probe]:
+    """``plan``, and the probe it ran (its FP32 outputs serve the exported model's check)."""
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
@@ -171,7 +178,7 @@ def plan(
         report.calibration_runs = chosen.calibration.runs
         report.calibration_bytes = chosen.calibration.state_bytes
     if not candidates:
-        return chosen.model, {}, {}, report
+        return chosen.model, {}, {}, report, probe
 
     def run(int4_layers: Sequence[int]) -> float:
         return _worst(probe.cosines(int4_layers, quantized))
@@ -190,7 +197,7 @@ def plan(
         report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
         finish()
-        return chosen.model, {}, quantized, report
+        return chosen.model, {}, quantized, report, probe
     alone = [run([i]) for i in everyone]
     order = sorted(range(len(candidates)), key=lambda i: alone[i])  # most damaging first
     damage = [max(0.0, 1.0 - alone[i]) for i in order]
@@ -216,7 +223,7 @@ def plan(
         candidates[i].key: _keep_reason(rank + 1, len(order), report.layers[i]) for rank, i in enumerate(order[:hi])
     }
     finish()
-    return chosen.model, keep, quantized, report
+    return chosen.model, keep, quantized, report, probe
 
 
 def choose_rule(cosine: Mapping[str, float]) -> MethodChoice:
@@ -229,7 +236,7 @@ def export_mixed(
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach ``target_cosine`` on ``feeds``."""
     batches = feed_batches(feeds, model)
-    chosen, keep, quantized, report = plan(model, batches, target_cosine, options)
+    chosen, keep, quantized, report, probe = _plan(model, batches, target_cosine, options)
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
     del chosen
     summary.mixed_precision = report
@@ -239,8 +246,8 @@ def export_mixed(
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
         int4 = make_session(out, session_options(pin=False))
-        fp32 = make_session(model, session_options(pin=False))
-        cos = [row_cosines(fp32.run(None, dict(b)), int4.run(None, dict(b))) for b in batches]
+        # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
+        cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
         report.cosine_exported = _worst(np.concatenate(cos))
     return out, summary
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cim_int4.exporter import DEFAULT_SCALE_RULE
+from cim_int4.exporter.scale_rules import AUTO_CHOICES
 
 pytest.importorskip("onnx_ir", reason="ORT's MatMulNBitsQuantizer imports onnx-ir (the test extra)")
 from models.accuracy import SMALL_CASES, measure  # noqa: E402  (tests/models, after the skip)
@@ -18,7 +19,7 @@ def test_default_rule_is_at_least_as_accurate_as_matmul_nbits(name: str) -> None
     row = measure(SMALL_CASES[name], rules=(DEFAULT_SCALE_RULE, "balanced"), batches=BATCHES)
     nbits = row.cosine["MatMulNBits"]
     assert row.layers > 0
-    assert row.auto_chose in ("balanced", "signed"), row
+    assert row.auto_chose in AUTO_CHOICES, row
     # Means over every evaluation row; equal up to float noise (6th digit) where both are near perfect (bert).
     assert row.cosine[DEFAULT_SCALE_RULE] >= nbits - 2e-6, row
     assert row.rel_l2[DEFAULT_SCALE_RULE] <= row.rel_l2["MatMulNBits"] * (1 + 1e-3), row
