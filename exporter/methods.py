@@ -136,6 +136,7 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
         if other is not None:
             stats = {t: fitted.stats[t] + other.stats[t] for t in tensors}
             full = Calibration(stats, len(batches), 2 * fitted.state_bytes)
+            del other
         probe.runs += full.runs
         result.calibration = full
     awq_rule = "mse" if len(rules) > 1 else rules[0]
@@ -176,6 +177,8 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
         method, rule = pairs[0]
     result.probe, result.quantized = build(method, rule, full)
     result.model = result.probe.model or model
+    if needs_stats:  # the statistics have served: free them before the runs that follow
+        fitted.stats, full.stats = {}, {}
     others = {id(p): p for p, _ in shifted_cache.values()} | {id(probe): probe}
     result.other_runs = sum(p.runs for p in others.values() if p is not result.probe)
     return result
