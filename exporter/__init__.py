@@ -1,7 +1,7 @@
 """FP32 ONNX model -> CimInt4MatMul model."""
 
 from .api import ExportError, NothingToQuantize, export_int4, export_with_summary, load_model, save_model
-from .options import DEFAULT_COMPUTE, ExportOptions
+from .options import DEFAULT_COMPUTE, DEFAULT_METHOD, METHODS, ExportOptions
 from .quantize import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SCALE_RULE,
@@ -17,7 +17,9 @@ from .scale_rules import SCALE_RULES
 __all__ = [
     "DEFAULT_COMPUTE",
     "DEFAULT_GROUP_SIZE",
+    "DEFAULT_METHOD",
     "DEFAULT_SCALE_RULE",
+    "METHODS",
     "SCALE_RULES",
     "SUPPORTED_GROUP_SIZES",
     "ExportError",
