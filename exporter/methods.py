@@ -75,7 +75,7 @@ def quantize_candidates(
 ) -> dict[str, QuantizedWeight]:
     """Every candidate of ``probe`` quantized with ``method`` ("rtn" or "gptq") and scale rule ``rule``.
 
-    ``factors`` caches GPTQ's factor per layer input (q, k and v share theirs) across calls on ``calibration``.
+    ``factors`` holds GPTQ's factor of the last layer input (q, k and v share theirs), kept across calls.
     """
     out = {}
     factors = {} if factors is None else factors
@@ -84,6 +84,7 @@ def quantize_candidates(
             assert calibration is not None
             x = probe.inputs[c.key]
             if x not in factors:
+                factors.clear()  # readers of one input come together (q, k, v): one factor alive at a time
                 xtx = calibration.stats[x].xtx
                 factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
             out[c.key] = gptq_quantize(c.w, factors[x], options.group_size, rule, block=options.gptq_block)
