@@ -44,6 +44,7 @@ SEARCH_COLUMNS = 2048
 _GAINS = {
     ("", "LayerNormalization"): (1, 2),
     ("", "RMSNormalization"): (1,),
+    ("", "SimplifiedLayerNormalization"): (1,),  # ORT registers it in the ONNX domain
     ("com.microsoft", "LayerNormalization"): (1, 2),
     ("com.microsoft", "SimplifiedLayerNormalization"): (1,),
     ("com.microsoft", "SkipLayerNormalization"): (2, 3),
