@@ -233,3 +233,50 @@ def test_bad_feeds_are_one_line_errors(feeds: object, message: str) -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match=message):
         export_with_summary(model, feeds=feeds, method="gptq")
+
+
+def test_awq_folds_into_the_gains_of_ort_fused_norms() -> None:
+    # The genai builder's graphs: SkipSimplifiedLayerNormalization (com.microsoft) and
+    # SimplifiedLayerNormalization (registered by ORT in the ONNX domain) before the projections.
+    rng = np.random.default_rng(11)
+    k, n = 64, 32
+
+    def const(name: str, shape: tuple[int, ...]) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["x", "skip", "g1"],
+            ["h1", "", "", "sum"],
+            domain="com.microsoft",
+            epsilon=1e-6,
+        ),  # fmt: skip
+        helper.make_node("MatMul", ["h1", "w1"], ["y1"]),
+        helper.make_node("SimplifiedLayerNormalization", ["sum", "g2"], ["h2"], epsilon=1e-6, axis=-1),
+        helper.make_node("MatMul", ["h2", "w2"], ["y2"]),
+        helper.make_node("MatMul", ["h2", "w3"], ["y3"]),
+    ]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 5, k])
+    skip = helper.make_tensor_value_info("skip", onnx.TensorProto.FLOAT, [2, 5, k])
+    outs = [helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, None) for y in ("y1", "y2", "y3", "sum")]
+    inits = [const("g1", (k,)), const("g2", (k,)), const("w1", (k, n)), const("w2", (k, n)), const("w3", (k, n))]
+    graph = helper.make_graph(nodes, "norms", [x, skip], outs, inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    sites = find_sites(model, {1: k, 3: k, 4: k})
+    assert sorted((model.graph.node[s.node].op_type, len(s.readers)) for s in sites) == [
+        ("SimplifiedLayerNormalization", 2),
+        ("SkipSimplifiedLayerNormalization", 1),
+    ]
+    shifted = apply_scales(model, sites, {s.x: rng.uniform(0.2, 5.0, k).astype(np.float32) for s in sites})
+    feeds = {
+        "x": rng.standard_normal((2, 5, k)).astype(np.float32),
+        "skip": rng.standard_normal((2, 5, k)).astype(np.float32),
+    }
+
+    def run(m: onnx.ModelProto) -> list[np.ndarray]:
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    assert float(row_rel_l2(run(model), run(shifted)).max()) < 1e-5
