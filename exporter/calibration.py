@@ -20,7 +20,7 @@ match new inputs), then refits the chosen one on all of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,11 +152,14 @@ def collect(
     tensors: Mapping[str, int],
     batches: Sequence[Feeds],
     held: Sequence[Part] = (),
+    outputs: Sequence[str] = (),
+    keep: Callable[[int, list[np.ndarray]], None] | None = None,
 ) -> tuple[Calibration, Calibration | None]:
     """Stats of every float32 tensor in ``tensors`` (name -> K, outputs of ``session``'s model; see ``expose``).
 
     One ORT run per batch; each batch's activations are folded in and dropped before the next.
     Rows in ``held`` go to the second Calibration (None without ``held``), the others to the first.
+    ``outputs`` are fetched in the same run and handed to ``keep(batch index, values)``.
     """
     names = list(tensors)
 
@@ -166,7 +169,10 @@ def collect(
     fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
     for b, batch in enumerate(batches):
-        values = session.run(names, {k: v for k, v in batch.items() if k in known})
+        values = session.run([*outputs, *names], {k: v for k, v in batch.items() if k in known})
+        if keep is not None:
+            keep(b, values[: len(outputs)])
+        values = values[len(outputs) :]
         rows = batch_rows(batch)
         held_rows = [r for i, r in held if i == b]
         for name, x in zip(names, values, strict=True):

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from . import awq
-from .calibration import Calibration, Feeds, collect, split
+from .calibration import Calibration, Feeds, split
 from .gptq import Factor, factor, gptq_quantize
 from .options import CALIBRATED, ExportOptions
 from .probe import Probe
@@ -130,15 +130,12 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
         return result
     full = None
     if needs_stats:
-        assert probe.session is not None
-        tensors = {probe.inputs[c.key]: c.w.shape[0] for c in probe.candidates}
-        fitted, other = collect(probe.session, tensors, batches, held)
+        fitted, other = probe.calibrate(held)
         full = fitted
         if other is not None:
-            stats = {t: fitted.stats[t] + other.stats[t] for t in tensors}
+            stats = {t: fitted.stats[t] + other.stats[t] for t in fitted.stats}
             full = Calibration(stats, len(batches), 2 * fitted.state_bytes)
             del other
-        probe.runs += full.runs
         result.calibration = full
     awq_rule = "mse" if len(rules) > 1 else rules[0]
 

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from ..ops.reference import dequantize
-from .calibration import Feeds, Part, batch_rows, expose, rows_of
+from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
 from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Candidate, probe_model
@@ -132,6 +132,10 @@ class Probe:
         if self._reference is not None and index in self._reference:
             return self._reference[index]
         outs = self._run(self.batches[index])
+        self._keep(index, outs)
+        return outs
+
+    def _keep(self, index: int, outs: list[np.ndarray]) -> None:
         kept = [_compact(o) for o in outs]
         if self._reference is None:
             size = sum(o.nbytes for o in kept) * len(self.batches)
@@ -139,7 +143,13 @@ class Probe:
                 self._reference = {}
         if self._reference is not None:
             self._reference[index] = kept
-        return outs
+
+    def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
+        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs are kept too."""
+        assert self.session is not None
+        tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates}
+        self.runs += len(self.batches)
+        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
