@@ -4,6 +4,8 @@
 * ``gptq``: ``exporter.gptq`` with each layer's ``X^T X`` from the calibration pass.
 * ``awq``: ``exporter.awq`` scales searched per layer input and folded into the model
   (which then computes the same FP32 function), then round-to-nearest.
+* ``awq+gptq``: AWQ's scales folded in, then GPTQ on the scaled layers (their statistics follow
+  from the scales: ``X^T X / (s s^T)``).
 * ``auto``: every method above; without feeds it is ``rtn`` (an export without calibration
   inputs is unchanged).
 
@@ -19,14 +21,14 @@ transformed model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
 from . import awq
-from .calibration import Calibration, Feeds, split
+from .calibration import Calibration, Feeds, Stats, split
 from .gptq import Factor, factor, gptq_quantize
 from .options import CALIBRATED, ExportOptions
 from .probe import Probe
@@ -93,10 +95,26 @@ def quantize_candidates(
     return out
 
 
+class _Scaled(Mapping[str, Stats]):
+    """The statistics of the layer inputs of a model with AWQ scales folded in, derived on access (no copy held)."""
+
+    def __init__(self, stats: Mapping[str, Stats], scales: Mapping[str, np.ndarray]) -> None:
+        self.stats, self.scales = stats, scales
+
+    def __getitem__(self, x: str) -> Stats:
+        return awq.transformed_stats(self.stats[x], self.scales[x]) if x in self.scales else self.stats[x]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stats)
+
+    def __len__(self) -> int:
+        return len(self.stats)
+
+
 def _awq_model(
     model: onnx.ModelProto, probe: Probe, calibration: Calibration, options: ExportOptions, rule: str
-) -> tuple[onnx.ModelProto, int]:
-    """``model`` with AWQ scales folded in (searched under ``rule``; ``model`` if none helps), and their count."""
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``model`` with AWQ scales folded in (searched under ``rule``; ``model`` if none helps), and the scales."""
     keys = {c.key: c for c in probe.candidates}
     readers = {}
     for i, node in enumerate(model.graph.node):
@@ -111,13 +129,13 @@ def _awq_model(
         if loss < plain:
             scales[site.x] = s
     if not scales:
-        return model, 0
-    return awq.apply_scales(model, sites, scales), len(scales)
+        return model, {}
+    return awq.apply_scales(model, sites, scales), scales
 
 
 def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions) -> Calibrated:
     """Quantize every candidate layer of ``model`` with ``options.method`` on the calibration ``batches``."""
-    methods = ("rtn", "gptq", "awq") if options.method == "auto" else (options.method,)
+    methods = ("rtn", "gptq", "awq", "awq+gptq") if options.method == "auto" else (options.method,)
     rules = AUTO_CHOICES if options.scale_rule == "auto" else (options.scale_rule,)
     pairs = [(m, r) for m in methods for r in rules]
     needs_stats = any(m in CALIBRATED for m in methods)
@@ -140,23 +158,28 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     awq_rule = "mse" if len(rules) > 1 else rules[0]
 
     cache: dict[int, dict[str, Factor]] = {}
-    shifted_cache: dict[int, tuple[Probe, int]] = {}
+    shifted_cache: dict[int, tuple[Probe, Calibration, int]] = {}
 
     def build(method: str, rule: str, calibration: Calibration | None) -> tuple[Probe, dict[str, QuantizedWeight]]:
-        if method != "awq":
+        if not method.startswith("awq"):
             factors = cache.setdefault(id(calibration), {})
             return probe, quantize_candidates(probe, method, rule, options, calibration, factors)
         assert calibration is not None
         if id(calibration) not in shifted_cache:  # one search per calibration, whatever the rule
-            shifted, count = _awq_model(model, probe, calibration, options, awq_rule)
+            shifted, scales = _awq_model(model, probe, calibration, options, awq_rule)
             where = probe if shifted is model else Probe(shifted, options, batches)
             if where is not probe:
                 where.share_reference(probe)
                 where.model = shifted
+            result.other_runs += sum(p.runs for p, _, _ in shifted_cache.values())
             shifted_cache.clear()
-            shifted_cache[id(calibration)] = (where, count)
-        where, result.awq_inputs = shifted_cache[id(calibration)]
-        return where, quantize_candidates(where, "rtn", rule, options, None)
+            scaled = Calibration(_Scaled(calibration.stats, scales), calibration.runs, calibration.state_bytes)
+            shifted_cache[id(calibration)] = (where, scaled, len(scales))
+        where, scaled, result.awq_inputs = shifted_cache[id(calibration)]
+        if method == "awq":
+            return where, quantize_candidates(where, "rtn", rule, options, None)
+        factors = cache.setdefault(id(scaled), {})
+        return where, quantize_candidates(where, "gptq", rule, options, scaled, factors)
 
     if len(pairs) > 1:
         cosine: dict[str, float] = {}
@@ -177,8 +200,8 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     result.model = result.probe.model or model
     if needs_stats:  # the statistics have served: free them before the runs that follow
         fitted.stats, full.stats = {}, {}
-    others = {id(p): p for p, _ in shifted_cache.values()} | {id(probe): probe}
-    result.other_runs = sum(p.runs for p in others.values() if p is not result.probe)
+    others = {id(p): p for p, _, _ in shifted_cache.values()} | {id(probe): probe}
+    result.other_runs += sum(p.runs for p in others.values() if p is not result.probe)
     return result
 
 

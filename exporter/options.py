@@ -16,9 +16,9 @@ DEFAULT_COMPUTE = "fp32"
 
 
 # How weights are rounded given calibration inputs (exporter.methods); every method without them is "rtn".
-METHODS = ("rtn", "gptq", "awq", "auto")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
 DEFAULT_METHOD = "rtn"
-CALIBRATED = ("gptq", "awq")  # the methods that need calibration inputs
+CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that need calibration inputs
 
 
 def check_method(method: str) -> None:

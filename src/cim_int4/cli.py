@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         choices=METHODS,
         default=DEFAULT_METHOD,
-        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, or auto (the best "
-        "of them on the feeds); gptq and awq need --feeds; docs/methods.md",
+        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, awq+gptq, or auto "
+        "(the best of them on the feeds); all but rtn and auto need --feeds; docs/methods.md",
     )
     p.add_argument(
         "--compute",
