@@ -84,9 +84,11 @@ def _child(args: argparse.Namespace) -> None:
         export_int4(model, out / model.name, group_size=args.group, scale_rule=rule, method=method, feeds=feeds,
                     target_cosine=0.0, quiet=False, external_data=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak = usage.ru_maxrss * 1024
+    cpu = usage.ru_utime + usage.ru_stime
     print(json.dumps({"variant": args.variant, "group": args.group, "windows": args.windows,
-                      "seconds": seconds, "peak_rss": peak}))  # fmt: skip
+                      "seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak}))  # fmt: skip
 
 
 def _ort_gptq(folder: Path, feeds: list[dict[str, np.ndarray]], out: Path, group: int) -> None:
