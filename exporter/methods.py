@@ -82,7 +82,7 @@ def quantize_candidates(
     out = {}
     factors = {} if factors is None else factors
     for c in probe.candidates:
-        if method == "gptq":
+        if method == "gptq" and c.key in probe.measured:  # a layer inside an If/Loop/Scan body: rtn
             assert calibration is not None
             x = probe.inputs[c.key]
             if x not in factors:

@@ -22,11 +22,12 @@ from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, 
 from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Candidate, probe_model
+from .subgraph import all_graphs
 
 # Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
 _IN_MEMORY_LIMIT = 1 << 30
 # FP32 reference outputs kept across comparisons up to this size (an LLM's logits are 0.5 GB a window).
-REFERENCE_BYTES = 512 << 20  # (as float16 where exact enough: see _compact)
+REFERENCE_BYTES = 512 << 20  # (as float16 where that is needed to fit and exact enough: see _compact)
 
 
 def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -90,11 +91,18 @@ class Probe:
     ) -> None:
         probe, self.candidates = probe_model(model, options)
         self.outputs = [o.name for o in probe.graph.output]
-        readers = {n.input[1]: n.input[0] for n in probe.graph.node if n.op_type == "MatMul" and len(n.input) == 2}
-        # The tensor each candidate's product reads (after the export's Cast/Transpose, as the op will).
-        self.inputs = {c.key: readers[c.weight_name] for c in self.candidates}
+        readers = {
+            n.input[1]: (n.input[0], g is probe.graph)
+            for g in all_graphs(probe.graph)
+            for n in g.node
+            if n.op_type == "MatMul" and len(n.input) == 2
+        }
+        # The tensor each candidate's product reads (after the export's Cast/Transpose, as the op will);
+        # only those of the main graph can be graph outputs, so only their statistics are gathered.
+        self.inputs = {c.key: readers[c.weight_name][0] for c in self.candidates}
+        self.measured = {c.key for c in self.candidates if readers[c.weight_name][1]}
         if calibrate:
-            expose(probe, dict.fromkeys(self.inputs.values()))
+            expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
         self.session = make_session(probe, quiet) if self.candidates else None
@@ -102,6 +110,7 @@ class Probe:
         self.batches = list(batches)
         self.runs = 0
         self._reference: dict[int, list[np.ndarray]] | None = None
+        self._compact = False
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
     def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
@@ -136,24 +145,25 @@ class Probe:
         return outs
 
     def _keep(self, index: int, outs: list[np.ndarray]) -> None:
-        kept = [_compact(o) for o in outs]
         if self._reference is None:
-            size = sum(o.nbytes for o in kept) * len(self.batches)
-            if size <= REFERENCE_BYTES:
+            # As they are when all fit, else as float16 (an LLM's logits) when that fits, else not kept.
+            size = sum(o.nbytes for o in outs) * len(self.batches)
+            self._compact = size > REFERENCE_BYTES
+            if size <= REFERENCE_BYTES or sum(_compact(o).nbytes for o in outs) * len(self.batches) <= REFERENCE_BYTES:
                 self._reference = {}
         if self._reference is not None:
-            self._reference[index] = kept
+            self._reference[index] = [_compact(o) for o in outs] if self._compact else outs
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
         """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs are kept too."""
         assert self.session is not None
-        tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates}
+        tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates if c.key in self.measured}
         self.runs += len(self.batches)
         return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
-        self._reference = other._reference
+        self._reference, self._compact = other._reference, other._compact
 
 
 __all__ = ["REFERENCE_BYTES", "Candidate", "Probe", "make_session", "row_cosines", "row_rel_l2"]

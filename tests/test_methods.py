@@ -281,3 +281,16 @@ def test_awq_folds_into_the_gains_of_ort_fused_norms() -> None:
         return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
 
     assert float(row_rel_l2(run(model), run(shifted)).max()) < 1e-5
+
+
+def test_layers_inside_subgraphs_fall_back_to_rounding() -> None:
+    # Their inputs cannot be graph outputs, so there are no statistics: GPTQ rounds them to nearest.
+    from test_rewrite_nodes import K, M, subgraph_model, x
+
+    model = subgraph_model()
+    feeds = {"x": x(), "cond": np.array(True), "xs": x(4, 2, M, K)}
+    plain, _ = export_with_summary(model, feeds=feeds, target_cosine=0.0, scale_rule="mse")
+    for method in ("gptq", "auto"):
+        q, summary = export_with_summary(model, feeds=feeds, target_cosine=0.0, method=method, scale_rule="mse")
+        assert len(summary.rewritten) == 3, summary.format()
+    assert q.SerializeToString() == plain.SerializeToString()  # every layer is in a body: each method rounds
