@@ -28,16 +28,10 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from ..graphs.feeds import load_feeds
+
 Feeds = Mapping[str, np.ndarray]
 FeedSource = str | os.PathLike | Feeds | Iterable[Feeds]
-
-
-def _read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable .npz of input arrays ({e})") from e
 
 
 def _check(feeds: dict[str, np.ndarray], model: onnx.ModelProto, where: str) -> dict[str, np.ndarray]:
@@ -71,7 +65,7 @@ def feed_batches(source: FeedSource, model: onnx.ModelProto) -> list[dict[str, n
     which ``collect`` never holds for more than one batch).
     """
     if isinstance(source, str | os.PathLike):
-        return [_check(_read_npz(source), model, str(source))]
+        return [_check(load_feeds(source), model, str(source))]
     if isinstance(source, Mapping):
         return [_check({k: np.asarray(v) for k, v in source.items()}, model, "feeds")]
     if isinstance(source, np.ndarray | bytes) or not isinstance(source, Iterable):

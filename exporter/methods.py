@@ -12,7 +12,7 @@
 Scale rule ``auto`` means every rule of ``AUTO_CHOICES`` under each method. When more than
 one (method, rule) pair is in play, each quantizes every layer and the model runs once over
 the calibration batches per pair; the pair with the best mean output cosine over the
-calibration rows wins (``MethodChoice``). Costs, in ORT runs of the model over the B batches:
+calibration rows wins (``RuleChoice``). Costs, in ORT runs of the model over the B batches:
 B for the FP32 reference (plus B for the calibration pass when a method needs it: the
 statistics are gathered in the reference run's session, a second pass since the reference
 outputs are kept apart), then B per pair compared. AWQ needs a second session of the
@@ -35,18 +35,7 @@ from .probe import Probe
 from .quantize import QuantizedWeight, quantize_weight
 from .rewrite import node_label
 from .scale_rules import AUTO_CHOICES
-
-
-@dataclass(frozen=True)
-class MethodChoice:
-    """What ``auto`` chose: per (method, rule) label, the mean output cosine on calibration rows, all layers INT4."""
-
-    cosine: dict[str, float]
-
-    @property
-    def chosen(self) -> str:
-        """The label with the best cosine; on a tie the first tried."""
-        return max(self.cosine, key=lambda label: self.cosine[label])
+from .summary import RuleChoice
 
 
 @dataclass
@@ -56,7 +45,7 @@ class Calibrated:
     model: onnx.ModelProto
     probe: Probe
     quantized: dict[str, QuantizedWeight]
-    choice: MethodChoice | None = None
+    choice: RuleChoice | None = None
     calibration: Calibration | None = None
     awq_inputs: int = 0  # layer inputs whose AWQ scale was folded into the chosen model
     other_runs: int = 0  # runs of a probe session not chosen (AWQ's, or the input model's)
@@ -191,7 +180,7 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
             if not held:
                 rows_of_pair[(m, r)] = rows
             del where, weights
-        result.choice = MethodChoice(cosine)
+        result.choice = RuleChoice(cosine)
         method, rule = next((m, r) for m, r in pairs if _label(m, r, methods) == result.choice.chosen)
         result.all_int4 = rows_of_pair.get((method, rule))
     else:
@@ -205,4 +194,4 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     return result
 
 
-__all__ = ["Calibrated", "MethodChoice", "calibrate", "quantize_candidates"]
+__all__ = ["Calibrated", "RuleChoice", "calibrate", "quantize_candidates"]

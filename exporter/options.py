@@ -1,19 +1,29 @@
-"""ExportOptions: which MatMul/Gemm nodes an export quantizes, and how."""
+"""ExportOptions: everything an export is asked to do, in one value carried whole from the CLI or API to its users.
+
+To add an option: add a field here (with its default and, if it can be wrong, its check in
+``__post_init__``), then read ``options.<field>`` where it acts (rewrite, sensitivity, api).
+``export_int4(..., <field>=value)`` and ``cim-int4 export`` pick it up by name: the CLI maps
+every flag whose ``dest`` is a field name (``cli.export_options``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
-from ..ops.reference import COMPUTE_MODES
+from ..contract import DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_compute, check_group_size
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
-from .quantize import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_RULE, check_group_size
+from .quantize import DEFAULT_SCALE_RULE
 from .scale_rules import check_scale_rule
 
-# Written into every node's ``compute`` attribute unless the export asks otherwise.
-DEFAULT_COMPUTE = "fp32"
+# Output cosine the sensitivity analysis aims for on the calibration inputs (``feeds``).
+DEFAULT_TARGET_COSINE = 0.99
 
+Feeds = Mapping[str, np.ndarray]
 
 # How weights are rounded given calibration inputs (exporter.methods); every method without them is "rtn".
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
@@ -27,18 +37,23 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def check_compute(compute: str) -> None:
-    """Raise ValueError unless ``compute`` is a compute mode of the op."""
-    if compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
-
-
 @dataclass(frozen=True)
 class ExportOptions:
-    """Which nodes (group size, exclusions, minimum size, input initializers) and how (scale rule, compute, method).
+    """Which MatMul/Gemm nodes an export quantizes, how, and how the output is written.
 
-    ``fold_input_initializers``: initializers also listed as graph inputs are quantized with a
-    warning (None), quantized silently (True) or left in FP32 (False).
+    * ``group_size``, ``scale_rule``, ``compute``: the nodes' group size, the rule choosing
+      their scales (exporter.scale_rules) and their ``compute`` attribute.
+    * ``exclude`` (regular expressions over node names) and ``min_size`` (weight elements):
+      nodes left FP32.
+    * ``fold_input_initializers``: initializers also listed as graph inputs are quantized with
+      a warning (None), quietly (True) or left FP32 (False).
+    * ``feeds`` (an ``.npz`` path, a dict of input arrays, or an iterable of such dicts) and
+      ``target_cosine``: keep the most sensitive layers FP32 until the outputs reach
+      ``target_cosine`` (exporter.sensitivity).
+    * ``method`` (``rtn``, ``gptq``, ``awq``, ``awq+gptq``, ``auto``) and the GPTQ knobs: how
+      weights are rounded given ``feeds`` (exporter.methods, docs/methods.md).
+    * ``simplify``: run onnxsim first (extra ``simplify``).
+    * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -47,7 +62,10 @@ class ExportOptions:
     scale_rule: str = DEFAULT_SCALE_RULE
     compute: str = DEFAULT_COMPUTE
     fold_input_initializers: bool | None = None
-    # Calibrated methods (exporter.methods; used only with calibration inputs).
+    feeds: str | os.PathLike | Feeds | Iterable[Feeds] | None = None
+    target_cosine: float = DEFAULT_TARGET_COSINE
+    simplify: bool = False
+    external_data: bool = False
     method: str = DEFAULT_METHOD
     gptq_damp: float = DEFAULT_DAMP  # times mean(diag H), added to H's diagonal
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
@@ -63,3 +81,20 @@ class ExportOptions:
         if not (isinstance(self.gptq_block, int) and self.gptq_block > 0):
             raise ValueError(f"gptq_block must be a positive integer, got {self.gptq_block!r}")
         object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether the export needs every weight in memory (onnxsim and the sensitivity analysis do)."""
+        return self.simplify or self.feeds is not None
+
+    def with_(self, **changes: Any) -> ExportOptions:
+        """A copy with ``changes`` (field names); TypeError names an unknown one."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"unknown export option(s) {', '.join(unknown)}; ExportOptions has {names()}")
+        return replace(self, **changes) if changes else self
+
+
+def names() -> str:
+    """The option names, comma-separated (for messages)."""
+    return ", ".join(f.name for f in fields(ExportOptions))

@@ -1,79 +1,87 @@
-"""Running a model with chosen layers' INT4 weights (dequantized, in plain ORT) and comparing its outputs to FP32.
+"""The probe: the export's rewrite with ``x @ W`` in place of CimInt4MatMul, W fed per run; and a session of it.
 
-A *probe* copy of the model (``rewrite.probe_model``) reads every candidate layer's weight
-from an overridable initializer: feeding a layer's dequantized INT4 weight there gives that
-layer's exact INT4 weight error. ``Probe`` holds one ORT session of it, the calibration
-batches, and the FP32 reference outputs (kept while they fit in ``REFERENCE_BYTES``, else
-recomputed with each comparison), and counts its runs.
+``Probe`` holds one ORT session of a probe model, the calibration batches, and the FP32
+reference outputs (kept while they fit in ``REFERENCE_BYTES``, as float16 if that is what
+makes them fit, else recomputed with each comparison), and counts its runs. With
+``calibrate=True`` every candidate's input tensor is also a graph output, for the
+calibration pass (``exporter.calibration``).
 """
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper, numpy_helper
 
+from ..metrics import row_cosines
+from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
+from .operands import Plan
 from .options import ExportOptions
 from .quantize import QuantizedWeight
-from .rewrite import Candidate, probe_model
+from .rewrite import Rewriter, run_rewrite
 from .subgraph import all_graphs
 
-# Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
-_IN_MEMORY_LIMIT = 1 << 30
+# Probe weights are named from this prefix.
+PROBE_PREFIX = "cim_int4.probe."
 # FP32 reference outputs kept across comparisons up to this size (an LLM's logits are 0.5 GB a window).
-REFERENCE_BYTES = 512 << 20  # (as float16 where that is needed to fit and exact enough: see _compact)
+REFERENCE_BYTES = 512 << 20
 
 
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
+@dataclass(frozen=True)
+class Candidate:
+    """An eligible MatMul/Gemm of a probe model: its key, probe weight name, weight [K, N] and bias [N] (or None)."""
+
+    key: str  # subgraph path + label, as in the summary; unique in the model
+    weight_name: str
+    w: np.ndarray
+    bias: np.ndarray | None
 
 
-def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
-        # Two all-zero rows agree; one zero row against a non-zero one does not.
-        both = nr * no
-        cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
-        found.append(np.where(both > 0, cos, (nr == 0) & (no == 0)))
-    return np.concatenate(found) if found else np.ones(0)
+class ProbeRewriter(Rewriter):
+    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph initializer per node."""
+
+    def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
+        super().__init__(model, options)
+        self.candidates: list[Candidate] = []
+        self.probe_weights: list[onnx.TensorProto] = []
+
+    def core(
+        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+    ) -> tuple[list[onnx.NodeProto], int | None]:
+        w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
+        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
+        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
+        if plan.bias is None:
+            return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
+        b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
+        initializers.append(numpy_helper.from_array(plan.bias, b_name))
+        product = self.fresh(f"{out}/matmul")
+        return [
+            helper.make_node("MatMul", [x, w_name], [product], name=base),
+            helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias"),
+        ], None
 
 
-def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
-        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
-    return np.concatenate(found) if found else np.zeros(0)
+def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
+    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
 
-
-def make_session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session of ``model`` (through a temporary file with external data above 1 GiB); ``model`` is untouched."""
-    if model.ByteSize() < _IN_MEMORY_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    # Saving with external data moves the tensors out of the proto it is given: save a copy,
-    # the caller's model (the user's, in export_mixed) must stay whole.
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
-        path = Path(tmp) / "model.onnx"
-        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
-        del copy
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
+    feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
+    """
+    out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options))
+    assert isinstance(rewriter, ProbeRewriter)
+    graph = out.graph
+    graph.initializer.extend(rewriter.probe_weights)
+    graph.input.extend(
+        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
+    )
+    return out, rewriter.candidates
 
 
 def _compact(x: np.ndarray) -> np.ndarray:
@@ -105,7 +113,7 @@ class Probe:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-        self.session = make_session(probe, quiet) if self.candidates else None
+        self.session = proto_session(probe, quiet) if self.candidates else None
         del probe
         self.batches = list(batches)
         self.runs = 0
@@ -164,6 +172,3 @@ class Probe:
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
         self._reference, self._compact = other._reference, other._compact
-
-
-__all__ = ["REFERENCE_BYTES", "Candidate", "Probe", "make_session", "row_cosines", "row_rel_l2"]

@@ -25,9 +25,9 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
 * ``"auto"`` (the default): ``balanced``; with calibration inputs (export ``feeds=``) the
   exporter runs the model with every layer under each rule of ``AUTO_CHOICES`` (``balanced``,
   ``signed``, ``mse``) and keeps the rule whose outputs are closer to FP32 on those inputs
-  (``exporter.methods.calibrate``; with a calibrated method, under that method). No rule that
-  differs from round-to-nearest can be better on every model without looking at its inputs: the errors of different
-  layers add or cancel by chance (README "Accuracy").
+  (``exporter.methods.calibrate``; under the export's method). No rule that differs from round-to-nearest can
+  be better on every model without looking at its inputs: the errors of different
+  layers add or cancel by chance (docs/accuracy.md).
 """
 
 from __future__ import annotations

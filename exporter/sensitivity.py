@@ -25,124 +25,34 @@ The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterab
 every run goes over all of them, and cosines are taken per row of each.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
-Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
-the worst over all of them.
+Cosine (``cim_int4.metrics.worst_cosine``, with its rule for non-finite values): per float
+output and per index of its first axis (the batch), the worst over all of them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
+from ..metrics import row_cosines, worst
+from ..ops.ort_model import proto_session
 from ..ops.session import session_options
-from .calibration import Feeds, FeedSource, feed_batches
-from .methods import MethodChoice, calibrate
-from .options import ExportOptions
-from .probe import Probe, make_session, row_cosines, row_rel_l2
+from .calibration import feed_batches
+from .methods import calibrate
+from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
+from .probe import Probe
 from .quantize import QuantizedWeight
-from .rewrite import ExportSummary, rewrite_model
+from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
-
-DEFAULT_TARGET_COSINE = 0.99
-
-
-def _worst(cosines: np.ndarray) -> float:
-    """The lowest of row cosines; 1.0 when there is none (no float output)."""
-    return float(min(cosines, default=1.0))
+from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
 
 
-def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
-    return _worst(row_cosines(reference, outputs))
-
-
-def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
-    return float(max(row_rel_l2(reference, outputs), default=0.0))
-
-
-def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """One batch of calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s graph inputs."""
+def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """One batch of calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s inputs."""
     return feed_batches(source, model)[0]
-
-
-@dataclass(frozen=True)
-class LayerSensitivity:
-    """One candidate layer: its output cosine when only it is INT4, and whether it stayed FP32."""
-
-    name: str
-    weight_bytes: int
-    cosine_alone: float
-    kept: bool
-
-
-# What scale rule / method "auto" chose (kept under its first name).
-RuleChoice = MethodChoice
-
-
-@dataclass
-class MixedPrecision:
-    """What the sensitivity analysis decided: layers by damage, target, cosine reached, runs used."""
-
-    target_cosine: float
-    layers: list[LayerSensitivity] = field(default_factory=list)
-    cosine_all_int4: float | None = None
-    cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
-    cosine_exported: float | None = None  # the exported model, CimInt4MatMul
-    runs: int = 0
-    rule_choice: MethodChoice | None = None  # scale rule or method "auto" only
-    method: str = "rtn"
-    calibration_runs: int = 0  # of the runs, those of the calibration pass
-    calibration_bytes: int = 0  # statistics held by the calibration pass
-    awq_inputs: int = 0  # layer inputs with an AWQ scale folded into their producer
-
-    @property
-    def int4_share(self) -> float:
-        """Fraction of the candidate layers' FP32 weight bytes that are INT4 in the export."""
-        total = sum(x.weight_bytes for x in self.layers)
-        return sum(x.weight_bytes for x in self.layers if not x.kept) / total if total else 0.0
-
-    def format(self) -> str:
-        """Lines for the export summary."""
-        kept = [x for x in self.layers if x.kept]
-        if self.target_cosine == 0.0:
-            head = "  calibration inputs: target cosine 0, so no layer kept in FP32"
-        else:
-            head = (
-                f"  mixed precision: target output cosine {self.target_cosine} on the calibration inputs; "
-                f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
-            )
-        lines = [f"{head} ({self.runs} model runs)"]
-        if self.calibration_runs:
-            lines.append(
-                f"    method {self.method}: calibration pass of {self.calibration_runs} run(s), "
-                f"{self.calibration_bytes / 2**20:.1f} MiB of X^T X statistics"
-                + (f"; AWQ scales folded at {self.awq_inputs} layer input(s)" if self.awq_inputs else "")
-            )
-        if self.rule_choice is not None:
-            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
-            what = "scale rule auto" if self.method == "rtn" else f"method {self.method}, scale rule auto"
-            if self.method == "auto":
-                what = "method auto"
-            lines.append(f"    {what}: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
-        if self.cosine_all_int4 is not None:
-            lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
-        lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
-        if self.cosine_exported is not None:
-            lines.append(f"    exported model run with CimInt4MatMul: cosine {self.cosine_exported:.6f}")
-            if self.cosine_exported < self.target_cosine:
-                # The analysis models the weights only; int8 activations add their own error.
-                lines.append(
-                    "    below the target: the compute mode adds error the analysis does not model; "
-                    "raise --target-cosine or export with --compute fp32"
-                )
-        total = sum(x.weight_bytes for x in self.layers)
-        lines.append(f"    int4 share of weight bytes: {self.int4_share:.1%} of {total:,} quantizable FP32 bytes")
-        return "\n".join(lines)
 
 
 def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
@@ -153,20 +63,21 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 
 
 def plan(
-    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], target_cosine: float, options: ExportOptions
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
     """The model to rewrite, the layers to keep FP32 (key -> reason), every candidate's INT4 weight, the report.
 
     ``feeds``: one batch (a dict) or a sequence of batches. The model returned is ``model``, or
     a copy with AWQ scales folded in when that method was chosen.
     """
-    return _plan(model, feeds, target_cosine, options)[:4]
+    return _plan(model, feeds, options)[:4]
 
 
 def _plan(
-    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], target_cosine: float, options: ExportOptions
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision, Probe]:
     """``plan``, and the probe it ran (its FP32 outputs serve the exported model's check)."""
+    target_cosine = options.target_cosine
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
@@ -181,12 +92,12 @@ def _plan(
         return chosen.model, {}, {}, report, probe
 
     def run(int4_layers: Sequence[int]) -> float:
-        return _worst(probe.cosines(int4_layers, quantized))
+        return worst(probe.cosines(int4_layers, quantized))
 
     everyone = range(len(candidates))
     cosine_at: dict[int, float] = {len(candidates): 1.0}  # keep-count (a prefix of `order`) -> cosine
     if chosen.all_int4 is not None:
-        cosine_at[0] = _worst(chosen.all_int4)
+        cosine_at[0] = worst(chosen.all_int4)
 
     def finish() -> None:
         report.runs = probe.runs + chosen.other_runs
@@ -226,17 +137,17 @@ def _plan(
     return chosen.model, keep, quantized, report, probe
 
 
-def choose_rule(cosine: Mapping[str, float]) -> MethodChoice:
+def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
     """The choice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
-    return MethodChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
+    return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
-def export_mixed(
-    model: onnx.ModelProto, feeds: FeedSource, target_cosine: float, options: ExportOptions
-) -> tuple[onnx.ModelProto, ExportSummary]:
-    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach ``target_cosine`` on ``feeds``."""
-    batches = feed_batches(feeds, model)
-    chosen, keep, quantized, report, probe = _plan(model, batches, target_cosine, options)
+def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, ExportSummary]:
+    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
+    if options.feeds is None:
+        raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
+    batches = feed_batches(options.feeds, model)
+    chosen, keep, quantized, report, probe = _plan(model, batches, options)
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
     del chosen
     summary.mixed_precision = report
@@ -245,26 +156,20 @@ def export_mixed(
     elif options.method != "rtn" or options.scale_rule == "auto":
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        int4 = make_session(out, session_options(pin=False))
+        int4 = proto_session(out, session_options(pin=False))
         # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
         cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
-        report.cosine_exported = _worst(np.concatenate(cos))
+        report.cosine_exported = worst(np.concatenate(cos))
     return out, summary
 
 
 __all__ = [
     "DEFAULT_TARGET_COSINE",
-    "Feeds",
     "LayerSensitivity",
-    "MethodChoice",
     "MixedPrecision",
     "RuleChoice",
     "choose_rule",
     "export_mixed",
-    "load_feeds",
+    "calibration_feeds",
     "plan",
-    "row_cosines",
-    "row_rel_l2",
-    "worst_cosine",
-    "worst_rel_l2",
 ]

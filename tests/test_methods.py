@@ -12,16 +12,17 @@ from cim_int4.exporter import ExportOptions, export_with_summary, quantize_weigh
 from cim_int4.exporter.awq import apply_scales, find_sites, search
 from cim_int4.exporter.calibration import collect, feed_batches, split
 from cim_int4.exporter.gptq import gptq_quantize, weighted_error
-from cim_int4.exporter.probe import Probe, row_rel_l2
+from cim_int4.exporter.probe import Probe
 from cim_int4.exporter.rewrite import node_label
 from cim_int4.exporter.scale_rules import group_scales
 from cim_int4.graphs import LlamaConfig, llama_decoder, random_input, single_matmul
-from cim_int4.ops.names import OP_TYPE
 from cim_int4.ops.reference import dequantize, unpack
 from onnx import helper, numpy_helper
 
 from cim_int4 import make_session
 from cim_int4.cli import main
+from cim_int4.contract import OP_TYPE
+from cim_int4.metrics import row_rel_l2
 
 LLAMA = LlamaConfig(hidden=128, intermediate=256, layers=2, heads=4)
 
