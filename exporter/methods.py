@@ -149,13 +149,17 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     cache: dict[int, dict[str, Factor]] = {}
     shifted_cache: dict[int, tuple[Probe, Calibration, int]] = {}
 
-    def build(method: str, rule: str, calibration: Calibration | None) -> tuple[Probe, dict[str, QuantizedWeight]]:
+    def build(
+        method: str, rule: str, calibration: Calibration | None, final: bool = False
+    ) -> tuple[Probe, dict[str, QuantizedWeight]]:
         if not method.startswith("awq"):
             factors = cache.setdefault(id(calibration), {})
             return probe, quantize_candidates(probe, method, rule, options, calibration, factors)
         assert calibration is not None
         if id(calibration) not in shifted_cache:  # one search per calibration, whatever the rule
             shifted, scales = _awq_model(model, probe, calibration, options, awq_rule)
+            if final and shifted is not model:
+                probe.session = None  # its runs are over: one session of the model in memory, not two
             where = probe if shifted is model else Probe(shifted, options, batches)
             if where is not probe:
                 where.share_reference(probe)
@@ -185,7 +189,7 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
         result.all_int4 = rows_of_pair.get((method, rule))
     else:
         method, rule = pairs[0]
-    result.probe, result.quantized = build(method, rule, full)
+    result.probe, result.quantized = build(method, rule, full, final=True)
     result.model = result.probe.model or model
     if needs_stats:  # the statistics have served: free them before the runs that follow
         fitted.stats, full.stats = {}, {}
