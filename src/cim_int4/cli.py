@@ -16,7 +16,7 @@ from .exporter import (
     NothingToQuantize,
     export_int4,
 )
-from .exporter.options import DEFAULT_TARGET_COSINE
+from .exporter.options import CALIBRATED, DEFAULT_METHOD, DEFAULT_TARGET_COSINE, METHODS
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 
@@ -25,6 +25,8 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
     """The ExportOptions of ``cim-int4 export``'s flags: each flag whose ``dest`` is a field name (None: default)."""
     if args.target_cosine is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
+    if getattr(args, "method", None) in CALIBRATED and args.feeds is None:
+        raise ValueError(f"--method {args.method} needs --feeds DATA.npz (the calibration inputs it learns from)")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
     # None means "not given" except for fold_input_initializers, where None is a value (warn).
     keep = {name: v for name, v in given.items() if v is not None or name == "fold_input_initializers"}
@@ -168,7 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
         help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced up to group 32, signed above; "
-        "with --feeds the one of them closer to FP32 on them; docs/accuracy.md, docs/real-llm.md)",
+        "with --feeds the rule closest to FP32 on them; docs/accuracy.md, docs/real-llm.md)",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, awq+gptq, or auto "
+        "(the best of them on the feeds); all but rtn and auto need --feeds; docs/methods.md",
     )
     p.add_argument(
         "--compute",
