@@ -22,19 +22,12 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   which ReLU/GELU/SiLU outputs make large, is what per-group rules leave to chance. Each
   candidate is also tried at its best step for that objective (scored with the codes that
   step rounds to).
-<<<<<<< HEAD
 * ``"auto"`` (the default): ``balanced`` for groups of up to AUTO_BALANCED_MAX_GROUP
   (32, the default group size) and ``signed`` for larger groups (``auto_rule``); with
-  calibration inputs (export ``feeds=``) the
-  exporter runs the model with every layer ``balanced`` and with every layer ``signed``
-  and keeps the rule whose outputs are closer to FP32 on those inputs
-  (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
-=======
-* ``"auto"`` (the default): ``balanced``; with calibration inputs (export ``feeds=``) the
-  exporter runs the model with every layer under each rule of ``AUTO_CHOICES`` (``balanced``,
-  ``signed``, ``mse``) and keeps the rule whose outputs are closer to FP32 on those inputs
-  (``exporter.methods.calibrate``; under the export's method). No rule that differs from round-to-nearest can
->>>>>>> methods
+  calibration inputs (export ``feeds=``) the exporter runs the model with every layer under
+  each rule of ``AUTO_CHOICES`` (``balanced``, ``signed``, ``mse``) and keeps the rule whose
+  outputs are closer to FP32 on those inputs (``exporter.methods.calibrate``; under the
+  export's method). No rule that differs from round-to-nearest can
   be better on every model without looking at its inputs: the errors of different
   layers add or cancel by chance (docs/accuracy.md). Why ``signed`` above group 32: on
   two real pretrained LLMs (docs/real-llm.md) ``balanced`` and ``mse`` at group 128 clip
@@ -50,12 +43,8 @@ SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
 # What "auto" means without calibration inputs (up to AUTO_BALANCED_MAX_GROUP; "signed" above),
 # and the rules it chooses between with them.
 AUTO_RULE = "balanced"
-<<<<<<< HEAD
 AUTO_BALANCED_MAX_GROUP = 32
-AUTO_CHOICES = ("balanced", "signed")
-=======
 AUTO_CHOICES = ("balanced", "signed", "mse")
->>>>>>> methods
 
 # Weight of the squared running error sum in the balanced rule's objective (per unit of the
 # squared error). Measured on 4096x4096 with 1% 10x outlier columns: 0.03, 0.1 and 0.25
