@@ -15,7 +15,7 @@ from onnx import helper
 from ..contract import OP_DOMAIN, OP_TYPE
 from . import io
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
-from .options import ExportOptions
+from .options import CALIBRATED, ExportOptions
 from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model
@@ -209,6 +209,10 @@ def _export(
     note = None
     if options.simplify:
         model, note = simplify_model(model)
+    if options.feeds is None and options.method in CALIBRATED:
+        raise ValueError(
+            f"method {options.method!r} needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)"
+        )
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:

@@ -19,6 +19,11 @@ from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_do
 from .summary import ExportSummary, Rewritten, Skipped
 
 
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    """How the summary names node ``index`` of its graph: its name, else ``op#index -> first output``."""
+    return node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+
+
 def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | None:
     for text, pattern in patterns:
         if name == text or pattern.fullmatch(name):
@@ -136,7 +141,7 @@ class Rewriter:
         replaced: dict[int, list[onnx.NodeProto]] = {}
         initializers: list[onnx.TensorProto] = []
         for index, node in enumerate(graph.node):
-            label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+            label = node_label(node, index)
             for attr_label, body in subgraphs(node):
                 self.rewrite_graph(body, scope, f"{path}{node.op_type} {label!r}/{attr_label}/")
             if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):

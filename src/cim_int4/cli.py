@@ -16,7 +16,7 @@ from .exporter import (
     NothingToQuantize,
     export_int4,
 )
-from .exporter.options import DEFAULT_TARGET_COSINE
+from .exporter.options import CALIBRATED, DEFAULT_METHOD, DEFAULT_TARGET_COSINE, METHODS
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 from .serving import commands as serving
@@ -26,6 +26,8 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
     """The ExportOptions of ``cim-int4 export``'s flags: each flag whose ``dest`` is a field name (None: default)."""
     if args.target_cosine is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
+    if getattr(args, "method", None) in CALIBRATED and args.feeds is None:
+        raise ValueError(f"--method {args.method} needs --feeds DATA.npz (the calibration inputs it learns from)")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
     # None means "not given" except for fold_input_initializers, where None is a value (warn).
     keep = {name: v for name, v in given.items() if v is not None or name == "fold_input_initializers"}
@@ -168,8 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-rule",
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
-        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; docs/accuracy.md)",
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced up to group 32, signed above; "
+        "with --feeds the rule closest to FP32 on them; docs/accuracy.md, docs/real-llm.md)",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, awq+gptq, or auto "
+        "(the best of them on the feeds); all but rtn and auto need --feeds; docs/methods.md",
     )
     p.add_argument(
         "--compute",
@@ -273,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference: also run the INT4 model on the NumPy reference op and check the native op against it",
     )
     p.set_defaults(func=_validate)
+
+    from . import perplexity
+
+    p = sub.add_parser("perplexity", help="perplexity, KL and top-1 agreement of causal LMs vs a reference on a text")
+    perplexity.add_arguments(p)
+    p.set_defaults(func=perplexity.run)
 
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
     from .demo import add_arguments as demo_arguments
