@@ -1,6 +1,7 @@
 // CimInt4MatMul for ONNX Runtime: schema, attribute validation, repack at kernel
-// creation, compute split over ORT's intra-op thread pool. The only exported symbol is
-// RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
+// creation, compute split over ORT's intra-op thread pool; and the op domain (this op and
+// CimInt4Gather, gather_op.cpp). The only exported symbol is RegisterCustomOps
+// (exports.map); every C++ exception becomes an OrtStatus here.
 #include <onnxruntime_c_api.h>
 
 #include <malloc.h>
@@ -20,31 +21,16 @@
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "op/gather_op.h"
 #include "op/ort_support.h"
 
 namespace {
 
 using namespace cim_op;  // NOLINT: the wrapper is written in terms of its ORT plumbing
 
-// The oldest ORT C API with everything used here (KernelContext_ParallelFor,
-// shape inference callbacks, CreateKernelV2): onnxruntime 1.17.
-constexpr uint32_t kMinOrtApi = 17;
-constexpr const char* kMinOrtRelease = "1.17";
 
 // The session config entry that overrides every node's `compute` attribute.
 constexpr const char* kComputeConfigKey = "cim_int4.compute";
-
-// How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
-// pool, which the C API does not tell a kernel. When the session pins its pool
-// (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
-// readable from C API 24), that count; else the machine's CPUs (not the calling thread's
-// affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
-// on a smaller pool run one after another and cost nothing.
-int64_t parallel_ranges(const SessionConfig& config) {
-  const std::string affinities = config.get("session.intra_op_thread_affinities");
-  if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 // Per-call scratch (int8 A, or a copy of a misaligned A): allocated and freed within the
 // call. A thread_local buffer would live as long as ORT's threads and, having a destructor,
@@ -92,21 +78,41 @@ class Kernel {
     int8_ = compute == "int8";
 
     const int64_t groups = (K + group_size - 1) / group_size;
-    {
+    const int64_t row_bytes = groups * group_size / 2;
+    ValuePtr bias;
+    if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    const float* bias_data = bias ? data_of<float>(bias.get()) : nullptr;
+    const size_t inputs = attrs.input_count();
+    if (inputs == 3) {
+      // Codes and scales as constant initializers (a table shared with a CimInt4Gather, say):
+      // ORT keeps them; the stream below is our own copy, made once here.
+      if (attrs.has("packed") || attrs.has("scales")) {
+        attrs.fail("has inputs 'packed' and 'scales' and also attributes of those names; give one or the other");
+      }
+      const OrtValue* packed =
+          attrs.constant_input(1, "packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
+                               {{N, row_bytes}, {N, groups, group_size / 2}},
+                               "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
+      const OrtValue* scales = attrs.constant_input(2, "scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32",
+                                                    {{N, groups}, {N * groups}}, "[N, ceil(K/group_size)]");
+      const std::string problem =
+          storage_.build(K, N, group_size, data_of<uint8_t>(packed), data_of<float>(scales), bias_data);
+      if (!problem.empty()) attrs.fail(problem);
+    } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
       // the model plus one node's copies, and afterwards we hold only our repacked stream.
       ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
                                      "[N, ceil(K/group_size)]");
-      ValuePtr bias;
-      if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
-      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
-                                     {N, groups * group_size / 2},
+      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8", {N, row_bytes},
                                      "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
       const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
-                                                 data_of<float>(scales.get()),
-                                                 bias ? data_of<float>(bias.get()) : nullptr);
+                                                 data_of<float>(scales.get()), bias_data);
       if (!problem.empty()) attrs.fail(problem);
+    } else {
+      attrs.fail("has " + std::to_string(inputs) +
+                 " inputs, expected 1 (A, with attributes 'packed' and 'scales') or 3 (A, packed, scales)");
     }
+    bias.reset();
 #if defined(__GLIBC__)
     // The attribute copies are gone; glibc keeps freed blocks of this size in its heap
     // (its mmap threshold grows with each large free), so hand the pages back: a
@@ -294,11 +300,16 @@ OrtCustomOp make_op() {
   op.version = kMinOrtApi;
   op.GetName = [](const OrtCustomOp*) { return CIM_OP_TYPE; };
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  // A, then optionally packed and scales as constant initializers (else attributes).
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  };
   op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
   op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
@@ -343,6 +354,7 @@ OrtCustomOpDomain* the_domain() {
     check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
     std::unique_ptr<OrtCustomOpDomain, DomainDeleter> owned(raw);
     check(g_api->CustomOpDomain_Add(raw, &the_op()), "adding " CIM_OP_TYPE);
+    check(g_api->CustomOpDomain_Add(raw, &gather_op()), "adding " CIM_GATHER_OP_TYPE);
     return owned;
   }();
   return domain.get();

@@ -5,6 +5,7 @@
 
 #include <onnxruntime_c_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -12,9 +13,16 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace cim_op {
+
+// The oldest ORT C API with everything used here (KernelContext_ParallelFor,
+// shape inference callbacks, CreateKernelV2, KernelInfoGetConstantInput_tensor):
+// onnxruntime 1.17.
+constexpr uint32_t kMinOrtApi = 17;
+constexpr const char* kMinOrtRelease = "1.17";
 
 // Set once, by the first RegisterCustomOps call (std::call_once: kernels of other sessions
 // may be reading them while later calls register the library again).
@@ -82,11 +90,57 @@ inline std::string dims_str(const std::vector<int64_t>& dims) {
 // Reads the node's attributes for one kernel; every message names node and attribute.
 class AttributeReader {
  public:
-  AttributeReader(const OrtKernelInfo* info, std::string node) : info_(info), node_(std::move(node)) {
+  AttributeReader(const OrtKernelInfo* info, std::string node, const char* op_type = CIM_OP_TYPE)
+      : info_(info), node_(std::move(node)), op_type_(op_type) {
     check(g_api->GetAllocatorWithDefaultOptions(&allocator_), where() + "getting an allocator");
   }
 
-  std::string where() const { return std::string(CIM_OP_TYPE " node '") + node_ + "': "; }
+  std::string where() const { return std::string(op_type_) + " node '" + node_ + "': "; }
+
+  // How many inputs the node has (omitted optional inputs at the end not counted).
+  size_t input_count() const {
+    size_t count = 0;
+    check(g_api->KernelInfo_GetInputCount(info_, &count), where() + "counting inputs");
+    return count;
+  }
+
+  // Input `index` (called `name`), which must be a constant initializer of the given element
+  // type with one of the `shapes`. ORT owns the value; it lives as long as the session.
+  const OrtValue* constant_input(size_t index, const char* name, ONNXTensorElementDataType type,
+                                 const char* type_name, const std::vector<std::vector<int64_t>>& shapes,
+                                 const char* layout) const {
+    std::string expected = std::string(type_name) + " tensor ";
+    for (size_t i = 0; i < shapes.size(); ++i) expected += (i ? " or " : "") + dims_str(shapes[i]);
+    expected += std::string(" (") + layout + ")";
+    int is_constant = 0;
+    const OrtValue* value = nullptr;
+    if (OrtStatus* s = g_api->KernelInfoGetConstantInput_tensor(info_, index, &is_constant, &value)) {
+      std::string why = g_api->GetErrorMessage(s);
+      g_api->ReleaseStatus(s);
+      fail(std::string("input ") + std::to_string(index) + " '" + name + "' cannot be read (ORT: " + why + ")");
+    }
+    if (!is_constant || value == nullptr) {
+      fail(std::string("input ") + std::to_string(index) + " '" + name +
+           "' must be a constant initializer (not a graph input or a computed tensor); expected " + expected);
+    }
+    OrtTensorTypeAndShapeInfo* info_raw = nullptr;
+    check(g_api->GetTensorTypeAndShape(value, &info_raw), where() + "reading input " + name);
+    TypeShapePtr info(info_raw);
+    ONNXTensorElementDataType got_type;
+    size_t rank = 0;
+    check(g_api->GetTensorElementType(info.get(), &got_type), where() + name);
+    check(g_api->GetDimensionsCount(info.get(), &rank), where() + name);
+    std::vector<int64_t> got(rank);
+    check(g_api->GetDimensions(info.get(), got.data(), rank), where() + name);
+    if (got_type != type) {
+      fail(std::string("input '") + name + "' has element type " + std::to_string(int(got_type)) +
+           " (ONNX TensorProto enum), expected " + expected);
+    }
+    for (const auto& shape : shapes) {
+      if (got == shape) return value;
+    }
+    fail(std::string("input '") + name + "' has shape " + dims_str(got) + ", expected " + expected);
+  }
 
   [[noreturn]] void fail(const std::string& msg) const { throw OpError(where() + msg); }
 
@@ -176,13 +230,15 @@ class AttributeReader {
  private:
   const OrtKernelInfo* info_;
   std::string node_;
+  const char* op_type_;
   OrtAllocator* allocator_ = nullptr;
 };
 
 template <typename T>
-const T* data_of(OrtValue* v) {
+const T* data_of(const OrtValue* v) {
+  // The C API has no const accessor in older releases; the data is only read.
   void* p = nullptr;
-  check(g_api->GetTensorMutableData(v, &p), "reading attribute data");
+  check(g_api->GetTensorMutableData(const_cast<OrtValue*>(v), &p), "reading tensor data");
   return static_cast<const T*>(p);
 }
 
@@ -235,5 +291,17 @@ class SessionConfig {
   GetKeyValueFn get_value_ = nullptr;
   Owned entries_{nullptr, nullptr};
 };
+
+// How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
+// pool, which the C API does not tell a kernel. When the session pins its pool
+// (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
+// readable from C API 24), that count; else the machine's CPUs (not the calling thread's
+// affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
+// on a smaller pool run one after another and cost nothing.
+inline int64_t parallel_ranges(const SessionConfig& config) {
+  const std::string affinities = config.get("session.intra_op_thread_affinities");
+  if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 }  // namespace cim_op
