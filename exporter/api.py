@@ -132,6 +132,7 @@ def export_int4(
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
     external_data: bool = False,
+    keep_embedding: bool = False,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
@@ -139,7 +140,8 @@ def export_int4(
     ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
     a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
     ``target_cosine`` on them (see exporter.sensitivity).
-    ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
+    ``fold_input_initializers``, ``keep_embedding``: see ExportOptions; ``simplify`` runs onnxsim first
+    (extra ``simplify``).
     From a path (without ``simplify`` or ``feeds``), weights are read one at a time and the
     output is written as it goes, so memory stays well under the model's size. The output keeps
     its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``: a
@@ -159,6 +161,7 @@ def export_int4(
         "target_cosine": target_cosine,
         "fold_input_initializers": fold_input_initializers,
         "simplify": simplify,
+        "keep_embedding": keep_embedding,
     }
     if isinstance(model, onnx.ModelProto) or simplify or feeds is not None:
         # onnxsim and the sensitivity analysis need the whole model in memory: those exports do not stream.
@@ -219,6 +222,7 @@ def export_with_summary(
     target_cosine: float = DEFAULT_TARGET_COSINE,
     fold_input_initializers: bool | None = None,
     simplify: bool = False,
+    keep_embedding: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
     return _export(
@@ -233,6 +237,7 @@ def export_with_summary(
         target_cosine=target_cosine,
         fold_input_initializers=fold_input_initializers,
         simplify=simplify,
+        keep_embedding=keep_embedding,
     )
 
 
@@ -249,8 +254,11 @@ def _export(
     target_cosine: float,
     fold_input_initializers: bool | None,
     simplify: bool,
+    keep_embedding: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
-    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers)
+    options = ExportOptions(
+        group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers, keep_embedding
+    )
     note = None
     if simplify:
         model, note = simplify_model(model)
@@ -260,7 +268,8 @@ def _export(
         quantized, summary = export_mixed(model, feeds, target_cosine, options)
     if note:
         summary.warnings.insert(0, note)
-    if not summary.rewritten:
+    # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.
+    if not any(r.op_type != "Gather" for r in summary.rewritten):
         mixed = summary.mixed_precision
         if mixed is not None and mixed.layers:
             least = max(mixed.layers, key=lambda x: x.cosine_alone)

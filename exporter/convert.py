@@ -7,6 +7,11 @@ flattened), dequantized as ``(code - 8) * scale``. Reshaped, ``B`` is ``packed``
 ``scales`` is ``scales``: no requantization, the weights stay byte-identical. Padding codes
 beyond K, which MatMulNBits ignores, are set to 8, as our format requires.
 
+A ``B`` that other nodes read too (the genai builder's tied embedding: ``Reshape`` ->
+``GatherBlockQuantized`` on the LM head's ``B`` and ``scales``) stays one tensor: the
+CimInt4MatMul takes ``B`` and ``scales`` as inputs (the op contract's input form) instead of
+attributes, so the file keeps one copy.
+
 ``accuracy_level`` 4 (int8 activations) becomes ``compute = "int8"``, the op's analogue,
 so the converted model keeps the precision (and speed trade) its author chose; other
 levels compute in FP32. Nodes that do not match are left as they are, with the reason.
@@ -15,6 +20,7 @@ levels compute in FP32. Nodes that do not match are left as they are, with the r
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +34,7 @@ from .fold import NotFoldable, Scope
 from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
 from .quantize import SUPPORTED_GROUP_SIZES
 from .rewrite import Skipped, drop_stray_imports
-from .subgraph import drop_unused, used_names
+from .subgraph import all_graphs, drop_unused, used_names
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
@@ -46,6 +52,7 @@ class Converted:
     n: int
     block_size: int
     compute: str
+    shared: bool = False  # B and scales read as inputs, shared with other nodes
 
 
 @dataclass
@@ -62,7 +69,8 @@ class ConvertSummary:
             f"{len(self.skipped)} left as they are"
         ]
         for c in self.converted:
-            lines.append(f"  converted {c.name!r}: K={c.k} N={c.n} block {c.block_size}, compute {c.compute}")
+            shared = ", B shared with other nodes (read as inputs)" if c.shared else ""
+            lines.append(f"  converted {c.name!r}: K={c.k} N={c.n} block {c.block_size}, compute {c.compute}{shared}")
         for s in self.skipped:
             lines.append(f"  skipped   {s.name!r}: {s.reason}")
         return "\n".join(lines)
@@ -111,7 +119,10 @@ def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
     return bool(np.all(codes == 8))
 
 
-def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[onnx.NodeProto, Converted]:
+def _convert_node(
+    node: onnx.NodeProto, consts: Scope, compute: str, shared: bool = False
+) -> tuple[onnx.NodeProto, Converted]:
+    """``node`` as CimInt4MatMul; ``shared``: its B is an initializer other nodes read too (kept as an input)."""
     attrs = _int_attrs(node)
     bits, block = attrs.get("bits", 4), attrs.get("block_size", 0)
     if bits != 4:
@@ -149,29 +160,37 @@ def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[on
         bias = bias.reshape(n)
 
     packed = b.reshape(n, blocks * block // 2)
+    # A shared B is read as it is, so only when its padding codes (if any) are already 8.
+    share = shared and node.input[_SCALES] in consts.initializers
     if k % block:
-        # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
         codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)
-        codes[:, k:] = 8
-        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+        share = share and bool(np.all(codes[:, k:] == 8))
+        if not share:
+            # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
+            codes[:, k:] = 8
+            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     mode = compute if compute != "auto" else ("int8" if attrs.get("accuracy_level", 0) == 4 else "fp32")
     extra = {"bias": numpy_helper.from_array(bias, "bias")} if bias is not None else {}
     if mode != "fp32":  # absent means fp32, which older builds of the op also understand
         extra["compute"] = mode
+    inputs = [node.input[_A]]
+    if share:
+        inputs += [node.input[_B], node.input[_SCALES]]
+    else:
+        extra["packed"] = numpy_helper.from_array(np.ascontiguousarray(packed), "packed")
+        extra["scales"] = numpy_helper.from_array(np.ascontiguousarray(scales), "scales")
     new = helper.make_node(
         OP_TYPE,
-        [node.input[_A]],
+        inputs,
         [node.output[0]],
         name=node.name or f"{node.output[0]}/{OP_TYPE}",
         domain=OP_DOMAIN,
         K=k,
         N=n,
         group_size=block,
-        packed=numpy_helper.from_array(np.ascontiguousarray(packed), "packed"),
-        scales=numpy_helper.from_array(np.ascontiguousarray(scales), "scales"),
         **extra,
     )
-    return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
+    return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode, shared=share)
 
 
 class NothingToConvert(ExportError):
@@ -208,11 +227,13 @@ def _convert_in_place(
     # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
     consts = Scope(graph if initializers_of is None else initializers_of, fold_inputs=False, load=load)
     summary = ConvertSummary()
+    readers = Counter(i for g in all_graphs(graph) for n in g.node for i in n.input if i)
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
             continue
         try:
-            new, done = _convert_node(node, consts, compute)
+            shared = len(node.input) > _B and readers[node.input[_B]] > 1 and node.input[_B] in consts.initializers
+            new, done = _convert_node(node, consts, compute, shared)
         except _Unconvertible as why:
             summary.skipped.append(Skipped(node.name or f"{NBITS_OP}#{index} -> {node.output[0]}", NBITS_OP, str(why)))
             continue

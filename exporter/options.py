@@ -24,6 +24,8 @@ class ExportOptions:
 
     ``fold_input_initializers``: initializers also listed as graph inputs are quantized with a
     warning (None), quantized silently (True) or left in FP32 (False).
+    ``keep_embedding``: leave every Gather on a constant table (the token embedding) in FP32; by
+    default it becomes an int4 CimInt4Gather, and a tied LM head shares its int4 tensors.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -32,6 +34,7 @@ class ExportOptions:
     scale_rule: str = DEFAULT_SCALE_RULE
     compute: str = DEFAULT_COMPUTE
     fold_input_initializers: bool | None = None
+    keep_embedding: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)

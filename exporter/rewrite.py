@@ -12,6 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
 from .options import ExportOptions
@@ -183,6 +184,9 @@ class _Rewriter:
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
         self._ranks: dict[str, int] | None = None
+        # Embedding tables (Gather on a constant table), shared with a tied LM head; none in a probe.
+        self.tables = Tables(options, self.fresh, tensors.write if tensors is not None else None)
+        self.quantize_tables = not probe and not options.keep_embedding
 
     def fresh(self, base: str) -> str:
         """A tensor name used nowhere in the model, derived from ``base``."""
@@ -221,10 +225,21 @@ class _Rewriter:
         casts: dict[str, str] = {}  # one Cast to float per fp16 activation, shared by its consumers
         replaced: dict[int, list[onnx.NodeProto]] = {}
         initializers: list[onnx.TensorProto] = []
+        # Tables first, so that a tied LM head finds its embedding wherever the two nodes sit.
+        gathers = self.plan_tables(graph, scope, path) if self.quantize_tables else {}
         for index, node in enumerate(graph.node):
             label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
             for attr_label, body in subgraphs(node):
                 self.rewrite_graph(body, scope, f"{path}{node.op_type} {label!r}/{attr_label}/")
+            if index in gathers:
+                table = gathers[index]
+                replaced[index] = [self.tables.gather_node(node, table)]
+                self.folded.update(table.sources)
+                self.summary.rewritten.append(
+                    Rewritten(label, node.op_type, table.value.shape[1], table.value.shape[0], table.bytes_before,
+                              table.bytes_after, path, "embedding table")
+                )
+                continue
             if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
                 continue
             try:
@@ -250,16 +265,25 @@ class _Rewriter:
                 self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
                 continue
             qw = None
-            if not self.probe:
+            table = self.tables.tied(plan.w) if self.quantize_tables else None
+            if table is not None:
+                qw = self.tables.quantize(table)
+            elif not self.probe:
                 qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
-            replaced[index] = self.emit(node, plan, key, qw, casts, initializers)
+            replaced[index] = self.emit(node, plan, key, qw, casts, initializers, table)
             self.folded.update(plan.sources)
             if qw is None:
                 continue
-            after = qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
-            self.summary.rewritten.append(
-                Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
+            after = (0 if table is not None else qw.packed.nbytes + qw.scales.nbytes) + (
+                0 if plan.bias is None else plan.bias.nbytes
             )
+            before = plan.bytes_before
+            notes = plan.notes
+            if table is not None:
+                # The same initializer as the table's (behind a Transpose) is counted once, with the table.
+                before = 0 if set(plan.sources) & set(table.sources) else before
+                notes = "; ".join(x for x in (notes, f"tied: reads the int4 table of {table.key!r}") if x)
+            self.summary.rewritten.append(Rewritten(label, node.op_type, k, n, before, after, path, notes))
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):
             first, *rest = replaced[index]
@@ -267,6 +291,26 @@ class _Rewriter:
             for offset, extra in enumerate(rest, 1):
                 graph.node.insert(index + offset, extra)
         graph.initializer.extend(initializers)
+
+    def plan_tables(self, graph: onnx.GraphProto, scope: Scope, path: str) -> dict[int, Table]:
+        """The Gathers of ``graph`` on a constant table that become CimInt4Gather (by node index); others skipped."""
+        gathers: dict[int, Table] = {}
+        for index, node in enumerate(graph.node):
+            if not is_gather(node) or len(node.input) < 2:
+                continue
+            label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+            try:
+                pattern = _excluded(node.name, self.patterns)
+                table = plan_gather(node, scope, self.options)
+                if pattern is not None:
+                    raise Ineligible(f"excluded by pattern {pattern!r}")
+            except NotATable:
+                continue
+            except Ineligible as why:
+                self.summary.skipped.append(Skipped(label, node.op_type, str(why), path))
+                continue
+            gathers[index] = self.tables.add(table)
+        return gathers
 
     def _constant(self, base: str, value: np.ndarray, initializers: list[onnx.TensorProto]) -> str:
         name = self.fresh(base)
@@ -296,8 +340,12 @@ class _Rewriter:
         qw: QuantizedWeight | None,
         casts: dict[str, str],
         initializers: list[onnx.TensorProto],
+        table: Table | None = None,
     ) -> list[onnx.NodeProto]:
-        """The nodes replacing ``node``: [Cast, Transpose, Mul,] CimInt4MatMul [, Cast, Unsqueeze, Add]."""
+        """The nodes replacing ``node``: [Cast, Transpose, Mul,] CimInt4MatMul [, Cast, Unsqueeze, Add].
+
+        With ``table`` (a tied LM head) the op reads the table's codes and scales as inputs.
+        """
         base = node.name or f"{node.output[0]}/{OP_TYPE}"
         nodes: list[onnx.NodeProto] = []
         x = node.input[0]
@@ -332,17 +380,17 @@ class _Rewriter:
         if qw is None:
             nodes.extend(self._probe_core(base, key, x, out, plan, initializers))
         else:
-            attrs = {
-                "K": qw.k,
-                "N": qw.n,
-                "group_size": qw.group_size,
-                "packed": numpy_helper.from_array(qw.packed, "packed"),
-                "scales": numpy_helper.from_array(qw.scales, "scales"),
-                "compute": self.options.compute,
-            }
+            attrs: dict[str, object] = {"K": qw.k, "N": qw.n, "group_size": qw.group_size}
+            inputs = [x]
+            if table is None:
+                attrs["packed"] = numpy_helper.from_array(qw.packed, "packed")
+                attrs["scales"] = numpy_helper.from_array(qw.scales, "scales")
+            else:
+                inputs += [table.packed_name, table.scales_name]
+            attrs["compute"] = self.options.compute
             if plan.bias is not None:
                 attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
-            op = helper.make_node(OP_TYPE, [x], [out], name=base, domain=OP_DOMAIN, **attrs)
+            op = helper.make_node(OP_TYPE, inputs, [out], name=base, domain=OP_DOMAIN, **attrs)
             if self.tensors is not None:
                 for a in op.attribute:
                     if a.type == onnx.AttributeProto.TENSOR:
@@ -386,6 +434,7 @@ def _rewrite(
     summary = rewriter.summary
     summary.warnings.extend(dropped)
     rewriter.rewrite_graph(out.graph, None, "")
+    out.graph.initializer.extend(rewriter.tables.initializers)
 
     if rewriter.folded:
         folded_inputs = rewriter.folded & rewriter.overridable

@@ -39,6 +39,7 @@ def _export(args: argparse.Namespace) -> int:
         fold_input_initializers=args.fold_input_initializers,
         simplify=args.simplify,
         external_data=args.external_data,
+        keep_embedding=args.keep_embedding,
     )
     return 0
 
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fold-input-initializers leaves them FP32)",
     )
     p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
+    p.add_argument(
+        "--keep-embedding",
+        action="store_true",
+        help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
+        "a tied LM head shares its int4 tensors (docs/embeddings.md)",
+    )
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)

@@ -150,7 +150,10 @@ def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BAT
 
     for rule in rules:
         calibrated = {"feeds": calibration, "target_cosine": 0.0} if rule == "auto" else {}
-        quantized, summary = export_with_summary(model, scale_rule=rule, exclude=left, **calibrated)
+        # The embedding stays FP32, as MatMulNBits leaves it: the columns differ only in the MatMuls.
+        quantized, summary = export_with_summary(
+            model, scale_rule=rule, exclude=left, keep_embedding=True, **calibrated
+        )
         if rule == "auto":
             chose = summary.mixed_precision.rule_choice.chosen
         layers = len(summary.rewritten)

@@ -193,6 +193,8 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
     check(g_api->ShapeInferContext_GetInputTypeShape(ctx, kIndices, &in), CIM_GATHER_OP_TYPE ": input indices");
     size_t rank = 0;
     check(g_api->GetDimensionsCount(in, &rank), CIM_GATHER_OP_TYPE ": input indices");
+    // Rank 0 is also what an input of unknown shape reports: say nothing rather than "[K]".
+    if (rank == 0) return;
     std::vector<int64_t> dims(rank);
     check(g_api->GetDimensions(in, dims.data(), rank), CIM_GATHER_OP_TYPE ": input indices");
     std::vector<const char*> symbols(rank, nullptr);
