@@ -15,6 +15,10 @@ with three limits that shape this module:
   with an empty ``[K, 0]`` constant runs first and fails like any ORT node.
 * Ops are registered per process, by name: ``CimInt4MatMulReference`` is registered once and
   cannot clash with the library's ``CimInt4MatMul`` (domain ``dbhoo.cim``).
+
+A ``CimInt4Gather`` (int4 embedding) becomes an ONNX ``Gather`` on its table dequantized by
+``reference.gather`` (the same float32 products), and a ``CimInt4MatMul`` that reads its codes
+and scales as initializer inputs (a tied LM head) is read as if they were its attributes.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from onnx import helper, numpy_helper
 from ..exporter.api import load_model
 from ..exporter.io import EXTERNAL_DATA_THRESHOLD
 from ..exporter.quantize import SUPPORTED_GROUP_SIZES
+from ..exporter.subgraph import used_names
 from . import reference
-from .names import OP_DOMAIN, OP_TYPE
+from .names import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
 
 REFERENCE_DOMAIN = "ai.onnx.contrib"  # the only domain onnxruntime-extensions serves Python ops from
 REFERENCE_OP = "CimInt4MatMulReference"
@@ -105,6 +110,47 @@ def _tensor_attribute(
     if array.shape != shape:
         raise ValueError(f"{where}attribute '{name}' has shape {list(array.shape)}, expected {expected}")
     return array
+
+
+def _initializer(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto, slot: int, role: str) -> np.ndarray:
+    name = node.input[slot] if len(node.input) > slot else ""
+    if name not in initializers:
+        raise ValueError(f"{node.op_type} node '{node.name}': input {slot} '{role}' ({name!r}) must be a constant "
+                         "initializer of the main graph")
+    return numpy_helper.to_array(initializers[name])
+
+
+def with_table_attributes(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> onnx.NodeProto:
+    """A CimInt4MatMul that reads codes and scales as inputs, as the equivalent one-input node with attributes."""
+    if len(node.input) != 3:
+        return node
+    values = _attribute_values(node, f"{OP_TYPE} node '{node.name}': ")
+    n = _int_attribute(values, "N", f"{OP_TYPE} node '{node.name}': ")
+    packed = _initializer(initializers, node, 1, "packed")
+    scales = _initializer(initializers, node, 2, "scales")
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    del out.input[1:]
+    for name, value in (("packed", packed.reshape(n, -1) if packed.size % max(n, 1) == 0 else packed),
+                        ("scales", scales.reshape(n, -1) if scales.size % max(n, 1) == 0 else scales)):
+        out.attribute.append(helper.make_attribute(name, numpy_helper.from_array(value, name)))
+    return out
+
+
+def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> np.ndarray:
+    """The float32 table [rows, K] a CimInt4Gather node reads, dequantized by the reference."""
+    where = f"{GATHER_OP_TYPE} node '{node.name}': "
+    values = _attribute_values(node, where)
+    k = _int_attribute(values, "K", where)
+    group_size = _int_attribute(values, "group_size", where, default=32)
+    packed = _initializer(initializers, node, 0, "packed")
+    scales = _initializer(initializers, node, 2, "scales")
+    groups = -(-k // group_size)
+    rows = packed.shape[0] if packed.ndim else 0
+    if packed.dtype != np.uint8 or packed.size != rows * groups * group_size // 2 or scales.size != rows * groups:
+        raise ValueError(f"{where}packed {list(packed.shape)} / scales {list(scales.shape)} do not hold "
+                         f"[rows, {groups * group_size // 2}] codes and [rows, {groups}] scales for K={k}")
+    return reference.gather(packed.reshape(rows, -1), scales, np.arange(rows), k, group_size)
 
 
 def node_weights(node: onnx.NodeProto) -> NodeWeights:
@@ -245,11 +291,20 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
 
     nodes: list[onnx.NodeProto] = []
     shape_checks: dict[int, str] = {}  # K -> name of its empty [K, 0] initializer
+    initializers = {t.name: t for t in graph.initializer}
+    tables: set[str] = set()  # int4 tables now held by the reference nodes (dropped when no node reads them)
     for node in graph.node:
+        if node.op_type == GATHER_OP_TYPE and node.domain == OP_DOMAIN:
+            table = fresh(f"{node.name or node.output[0]}.reference.table")
+            graph.initializer.append(numpy_helper.from_array(gather_table(node, initializers), table))
+            nodes.append(helper.make_node("Gather", [table, node.input[1]], list(node.output), name=node.name))
+            tables.update(node.input[0::2])
+            continue
         if not is_cim_node(node):
             nodes.append(node)
             continue
-        w = node_weights(node)
+        w = node_weights(with_table_attributes(node, initializers))
+        tables.update(node.input[1:])
         prefix = f"{node.name or node.output[0]}.reference"
         if w.k not in shape_checks:
             shape_checks[w.k] = fresh(f"cim_int4.reference.empty_{w.k}x0")
@@ -276,6 +331,10 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
         )
     graph.ClearField("node")
     graph.node.extend(nodes)
+    unread = tables - used_names(graph)
+    kept = [t for t in graph.initializer if t.name not in unread]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept)
     imports = [o for o in out.opset_import if o.domain not in (OP_DOMAIN, REFERENCE_DOMAIN)]
     out.ClearField("opset_import")
     out.opset_import.extend([*imports, helper.make_opsetid(REFERENCE_DOMAIN, 1)])

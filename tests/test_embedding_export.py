@@ -286,3 +286,11 @@ def test_cli_keep_embedding(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     assert main(["export", str(src), "-o", str(tmp_path / "b.onnx"), "--keep-embedding"]) == 0
     assert "Gather" not in capsys.readouterr().out
     assert not nodes_of(onnx.load(str(tmp_path / "b.onnx")), GATHER_OP_TYPE)
+
+
+def test_the_reference_backend_runs_int4_embeddings_and_tied_heads() -> None:
+    pytest.importorskip("onnxruntime_extensions")
+    q, _ = export_with_summary(lm("transpose"))
+    got = make_session(q, threads=1).run(None, IDS)[0]
+    ref = make_session(q, threads=1, backend="reference").run(None, IDS)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
