@@ -43,6 +43,11 @@ class Table:
     scales_name: str = ""
 
     @property
+    def name(self) -> str:
+        """The initializer (or Constant) the table comes from, for names and messages."""
+        return self.sources[0] if self.sources else self.key
+
+    @property
     def bytes_after(self) -> int:
         assert self.quantized is not None
         return self.quantized.packed.nbytes + self.quantized.scales.nbytes
@@ -115,8 +120,8 @@ class Tables:
         if table.quantized is None:
             qw = quantize_weight(table.value.T, self.options.group_size, self.options.scale_rule)
             table.quantized = qw
-            table.packed_name = self.fresh(f"{table.key}/int4_packed")
-            table.scales_name = self.fresh(f"{table.key}/int4_scales")
+            table.packed_name = self.fresh(f"{table.name}/int4_packed")
+            table.scales_name = self.fresh(f"{table.name}/int4_scales")
             for array, name in ((qw.packed, table.packed_name), (qw.scales, table.scales_name)):
                 tensor = numpy_helper.from_array(array, name)
                 if self.write is not None:

@@ -282,7 +282,7 @@ class _Rewriter:
             if table is not None:
                 # The same initializer as the table's (behind a Transpose) is counted once, with the table.
                 before = 0 if set(plan.sources) & set(table.sources) else before
-                notes = "; ".join(x for x in (notes, f"tied: reads the int4 table of {table.key!r}") if x)
+                notes = "; ".join(x for x in (notes, f"tied: reads the int4 table of {table.name!r}") if x)
             self.summary.rewritten.append(Rewritten(label, node.op_type, k, n, before, after, path, notes))
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):

@@ -251,25 +251,36 @@ def test_convert_keeps_the_builders_shared_table(tmp_path: Path) -> None:
     out = tmp_path / "model.onnx"
     summary = convert_file(src, out, quiet=True)
     assert [c.name for c in summary.converted if c.shared] == ["/lm_head/MatMul_Q4"]
+    assert summary.gathers == ["/model/embed_tokens/GatherBlockQuantized"]
     q = load_model(out)
     head = next(n for n in q.graph.node if n.name == "/lm_head/MatMul_Q4")
-    gbq = next(n for n in q.graph.node if n.op_type == "GatherBlockQuantized")
-    reshape = next(n for n in q.graph.node if n.output[0] == gbq.input[0])
-    assert head.op_type == OP_TYPE and head.input[1] == reshape.input[0] and head.input[2] == gbq.input[2]
+    (gather,) = nodes_of(q, GATHER_OP_TYPE)
+    # Both read the builder's one B/scales pair; its Reshape (a second copy once ORT folds it) is gone.
+    assert head.op_type == OP_TYPE
+    assert list(head.input[1:]) == ["lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"]
+    assert list(gather.input[0::2]) == list(head.input[1:])
+    assert not [n for n in q.graph.node if n.op_type in ("Reshape", "GatherBlockQuantized") and "embed" in n.name]
     assert len([t for t in int4_tables(q) if t.dims[0] == 1000]) == 1
     in_size = sum(f.stat().st_size for f in src.parent.glob("model.onnx*"))
     out_size = sum(f.stat().st_size for f in tmp_path.glob("model.onnx*"))
     assert out_size <= 1.01 * in_size, (out_size, in_size)
-    # The head computes from the same codes as MatMulNBits did: logits agree closely.
     feeds = {"input_ids": np.array([[1, 5, 999, 0]], np.int64), "attention_mask": np.ones((1, 4), np.int64)}
     for i in q.graph.input:
         if i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((1, 2, 0, 16), np.float32)
-    got = make_session(q, threads=1).run(["logits"], feeds)[0]
     import onnxruntime as ort
 
-    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
-    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    original = load_model(src)
+    embedding = "/model/embed_tokens/GatherBlockQuantized/output_0"
+    for m in (q, original):
+        m.graph.output.append(helper.make_tensor_value_info(embedding, TensorProto.FLOAT, None))
+    got = make_session(q, threads=1).run(["logits", embedding], feeds)
+    want = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["logits", embedding], feeds
+    )
+    # The gathered rows are the same float32 products; the head computes from the same codes.
+    np.testing.assert_array_equal(got[1], want[1])
+    assert np.abs(got[0] - want[0]).max() <= 0.02 * np.abs(want[0]).max()
 
 
 def test_gather_reference_refuses_bad_indices() -> None:

@@ -107,7 +107,6 @@ def category(node: str, op: str, head: set[str], embed: set[str]) -> str:
 def profile(model: Path, steps: int) -> dict[str, float]:
     """Microseconds per decode token by category, from ORT's profiler (one thread, past of 16)."""
     import onnxruntime as ort
-
     from cim_int4.ops import library_path
 
     proto = onnx.load(str(model), load_external_data=False)
