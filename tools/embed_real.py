@@ -39,20 +39,14 @@ RSS_CHILD = r"""
 import json, sys
 from pathlib import Path
 import numpy as np
+from cim_int4.bench.memory_child import vm_status
 from cim_int4.ops import make_session
-def vm():
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "VmHWM"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
 feeds = dict(np.load(sys.argv[2]))
-before = vm()["VmRSS"]
+before = vm_status()["VmRSS"]
 Path("/proc/self/clear_refs").write_text("5")
 session = make_session(sys.argv[1], threads=1, pin=False)
 session.run(None, feeds)
-after = vm()
+after = vm_status()
 print(json.dumps({"baseline": before, "rss": after["VmRSS"], "peak": after["VmHWM"]}))
 """
 

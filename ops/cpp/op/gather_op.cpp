@@ -5,7 +5,6 @@
 #include "op/gather_op.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,17 +25,8 @@ struct TensorView {
 };
 
 TensorView view_of(const OrtValue* value, const std::string& what) {
-  TensorView v;
-  OrtTensorTypeAndShapeInfo* raw = nullptr;
-  check(g_api->GetTensorTypeAndShape(value, &raw), what);
-  TypeShapePtr info(raw);
-  size_t rank = 0;
-  check(g_api->GetTensorElementType(info.get(), &v.type), what);
-  check(g_api->GetDimensionsCount(info.get(), &rank), what);
-  v.dims.resize(rank);
-  check(g_api->GetDimensions(info.get(), v.dims.data(), rank), what);
-  v.data = data_of<void>(value);
-  return v;
+  auto [type, dims] = tensor_info(value, what);
+  return TensorView{type, std::move(dims), data_of<void>(value)};
 }
 
 class GatherKernel {
@@ -189,44 +179,18 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
     int64_t K = 0;
     size_t bytes = 0;
     check(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_GATHER_OP_TYPE ": attribute 'K'");
-    OrtTensorTypeAndShapeInfo* in = nullptr;  // owned by the context
-    check(g_api->ShapeInferContext_GetInputTypeShape(ctx, kIndices, &in), CIM_GATHER_OP_TYPE ": input indices");
-    size_t rank = 0;
-    check(g_api->GetDimensionsCount(in, &rank), CIM_GATHER_OP_TYPE ": input indices");
+    auto [dims, names] = inferred_input(ctx, kIndices, CIM_GATHER_OP_TYPE ": input indices");
     // Rank 0 is also what an input of unknown shape reports: say nothing rather than "[K]".
-    if (rank == 0) return;
-    std::vector<int64_t> dims(rank);
-    check(g_api->GetDimensions(in, dims.data(), rank), CIM_GATHER_OP_TYPE ": input indices");
-    std::vector<const char*> symbols(rank, nullptr);
-    check(g_api->GetSymbolicDimensions(in, symbols.data(), rank), CIM_GATHER_OP_TYPE ": input indices");
-    // As CimInt4MatMul does: a dimension with neither value nor symbol gets a fresh symbol.
-    static std::atomic<uint64_t> unknown_count{0};
-    std::vector<std::string> names(rank + 1);
-    for (size_t i = 0; i < rank; ++i) {
-      if (symbols[i] != nullptr && symbols[i][0] != '\0') {
-        names[i] = symbols[i];
-      } else if (dims[i] < 0) {
-        names[i] = "cim_int4_gather_unk_" + std::to_string(unknown_count.fetch_add(1));
-      }
-    }
+    if (dims.empty()) return;
     dims.push_back(K);
-    std::vector<const char*> out_symbols(rank + 1);
-    for (size_t i = 0; i <= rank; ++i) out_symbols[i] = names[i].c_str();
-    OrtTensorTypeAndShapeInfo* out_raw = nullptr;
-    check(g_api->CreateTensorTypeAndShapeInfo(&out_raw), CIM_GATHER_OP_TYPE ": output Y");
-    TypeShapePtr out(out_raw);
-    check(g_api->SetTensorElementType(out.get(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT), CIM_GATHER_OP_TYPE ": output");
-    check(g_api->SetDimensions(out.get(), dims.data(), dims.size()), CIM_GATHER_OP_TYPE ": output Y");
-    check(g_api->SetSymbolicDimensions(out.get(), out_symbols.data(), dims.size()), CIM_GATHER_OP_TYPE ": output");
-    check(g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out.get()), CIM_GATHER_OP_TYPE ": output Y");
+    names.emplace_back();
+    set_float_output(ctx, dims, names, CIM_GATHER_OP_TYPE ": output Y");
   });
 }
 
 OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  op.version = kMinOrtApi;
+  OrtCustomOp op = custom_op_base<GatherKernel>();
   op.GetName = [](const OrtCustomOp*) { return CIM_GATHER_OP_TYPE; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     // indices: int32 or int64, checked in compute
@@ -234,26 +198,8 @@ OrtCustomOp make_op() {
            : i == kScales ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
                           : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
-    *kernel = nullptr;
-    return guarded([&] { *kernel = new GatherKernel(info); });
-  };
-  op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
-    return guarded([&] { static_cast<const GatherKernel*>(kernel)->compute(context); });
-  };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<GatherKernel*>(kernel); };
   op.InferOutputShapeFn = &infer_shape;
-  op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
   return op;
 }
 

@@ -7,7 +7,6 @@
 #include <malloc.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -16,7 +15,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/kernel.h"
@@ -254,81 +252,30 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
       check(g_api->ReadOpAttr(k_attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_OP_TYPE ": attribute 'K'");
     }
 
-    // The context owns this info (ORT's own wrappers never release it): no TypeShapePtr.
-    OrtTensorTypeAndShapeInfo* in = nullptr;
-    check(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &in), CIM_OP_TYPE ": input A");
-    size_t rank = 0;
-    check(g_api->GetDimensionsCount(in, &rank), CIM_OP_TYPE ": input A");
-    if (rank == 0) throw OpError(CIM_OP_TYPE ": input A must have rank >= 1, got a scalar");
-    std::vector<int64_t> dims(rank);
-    check(g_api->GetDimensions(in, dims.data(), rank), CIM_OP_TYPE ": input A");
-    std::vector<const char*> symbols(rank, nullptr);
-    check(g_api->GetSymbolicDimensions(in, symbols.data(), rank), CIM_OP_TYPE ": input A");
+    auto [dims, names] = inferred_input(ctx, 0, CIM_OP_TYPE ": input A");
+    if (dims.empty()) throw OpError(CIM_OP_TYPE ": input A must have rank >= 1, got a scalar");
     if (K > 0 && dims.back() >= 0 && dims.back() != K) {
       throw OpError(std::string(CIM_OP_TYPE ": input A has last dimension ") + std::to_string(dims.back()) +
                     ", expected K=" + std::to_string(K));
     }
-    // The symbol strings belong to `in`; copy them before building the output.
-    // ORT turns a dimension with neither a value nor a symbol into the value -1 (and
-    // then warns at run time that -1 != the real size); a fresh symbol keeps it unknown.
-    static std::atomic<uint64_t> unknown_count{0};
-    std::vector<std::string> names(rank);
-    for (size_t i = 0; i + 1 < rank; ++i) {
-      if (symbols[i] != nullptr && symbols[i][0] != '\0') {
-        names[i] = symbols[i];
-      } else if (dims[i] < 0) {
-        names[i] = "cim_int4_unk_" + std::to_string(unknown_count.fetch_add(1));
-      }
-    }
     dims.back() = N;
-    std::vector<const char*> out_symbols(rank);
-    for (size_t i = 0; i < rank; ++i) out_symbols[i] = names[i].c_str();
-
-    OrtTensorTypeAndShapeInfo* out_raw = nullptr;
-    check(g_api->CreateTensorTypeAndShapeInfo(&out_raw), CIM_OP_TYPE ": output Y");
-    TypeShapePtr out(out_raw);
-    check(g_api->SetTensorElementType(out.get(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT), CIM_OP_TYPE ": output Y");
-    check(g_api->SetDimensions(out.get(), dims.data(), rank), CIM_OP_TYPE ": output Y");
-    check(g_api->SetSymbolicDimensions(out.get(), out_symbols.data(), rank), CIM_OP_TYPE ": output Y");
-    check(g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out.get()), CIM_OP_TYPE ": output Y");
+    names.back().clear();
+    set_float_output(ctx, dims, names, CIM_OP_TYPE ": output Y");
   });
 }
 
 OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  // The struct layout we fill is that of kMinOrtApi; newer ORT reads it as such.
-  op.version = kMinOrtApi;
+  OrtCustomOp op = custom_op_base<Kernel>();
   op.GetName = [](const OrtCustomOp*) { return CIM_OP_TYPE; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
   // A, then optionally packed and scales as constant initializers (else attributes).
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernel = nullptr;
-  op.KernelCompute = nullptr;
-  op.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
-    *kernel = nullptr;
-    return guarded([&] { *kernel = new Kernel(info); });
-  };
-  op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
-    return guarded([&] { static_cast<const Kernel*>(kernel)->compute(context); });
-  };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   op.InferOutputShapeFn = &infer_shape;
-  op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
   return op;
 }
 
