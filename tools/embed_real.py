@@ -51,6 +51,9 @@ print(json.dumps({"baseline": before, "rss": after["VmRSS"], "peak": after["VmHW
 """
 
 
+KV_CAPACITY = 512
+
+
 def model_bytes(model: Path) -> int:
     """The decoder file plus its external data files."""
     proto = onnx.load(str(model), load_external_data=False)
@@ -68,7 +71,11 @@ def feeds_for(model: Path, tokens: int, past: int) -> dict[str, np.ndarray]:
     feeds = {}
     for i in proto.graph.input:
         if i.name.startswith("past_key_values"):
-            feeds[i.name] = np.zeros((1, config["num_key_value_heads"], past, config["head_size"]), np.float32)
+            # The KV buffer as genai shares it between past and present: its length is a capacity
+            # (the attention mask says how much of it is used). Gemma 3's sliding-window attention
+            # needs at least its window (512) there.
+            capacity = max(past + tokens, KV_CAPACITY)
+            feeds[i.name] = np.zeros((1, config["num_key_value_heads"], capacity, config["head_size"]), np.float32)
         elif i.name == "input_ids":
             feeds[i.name] = rng.integers(3, 1000, (1, tokens)).astype(np.int64)
         elif i.name == "attention_mask":
