@@ -14,8 +14,8 @@ builder's int4), then reports, as JSON on stdout and in ``WORK/report.json``:
 * ``decode``: genai greedy decode tokens/s of every variant at each thread count, variants
   interleaved, ``rounds`` x ``repeats`` runs, medians (cim_int4.genai_bench.greedy);
 * ``profile``: ORT profiling of ``profile-steps`` single-token decode steps (past of 16 tokens)
-  per int4 variant at one thread: microseconds per token by op type, the LM head and the
-  embedding apart.
+  per variant at one thread: microseconds per token by op type (each node's median over the
+  steps), the LM head and the embedding (nodes named ``embed``) apart.
 """
 
 from __future__ import annotations
@@ -129,12 +129,16 @@ def profile(model: Path, steps: int) -> dict[str, float]:
         for _ in range(steps):
             session.run(None, feeds)
         trace = json.loads(Path(session.end_profiling()).read_text())
-    per: dict[str, float] = defaultdict(float)
+    # Per node, the median over the steps (a step preempted by another process does not count),
+    # then summed by category.
+    durations: dict[tuple[str, str], list[float]] = defaultdict(list)
     for event in trace:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
             continue
-        node = event["name"][: -len("_kernel_time")]
-        per[category(node, event["args"].get("op_name", "?"), head, embed)] += event["dur"] / steps
+        durations[(event["name"][: -len("_kernel_time")], event["args"].get("op_name", "?"))].append(event["dur"])
+    per: dict[str, float] = defaultdict(float)
+    for (node, op), values in durations.items():
+        per[category(node, op, head, embed)] += statistics.median(values)
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
