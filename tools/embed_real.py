@@ -150,10 +150,10 @@ def decode(folders: dict[str, Path], threads: list[int], steps: int, repeats: in
         models = {label: load(path, t) for label, path in folders.items()}
         times: dict[str, list[float]] = defaultdict(list)
         for model in models.values():
-            greedy(model, prompt, steps)
+            greedy(model, prompt, steps, KV_CAPACITY)
         for _ in range(rounds * repeats):
             for label, model in models.items():
-                times[label].append(greedy(model, prompt, steps).decode_s)
+                times[label].append(greedy(model, prompt, steps, KV_CAPACITY).decode_s)
         out[str(t)] = {label: (steps - 1) / statistics.median(v) for label, v in times.items()}
         del models
     return out
