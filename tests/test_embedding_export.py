@@ -305,3 +305,10 @@ def test_the_reference_backend_runs_int4_embeddings_and_tied_heads() -> None:
     got = make_session(q, threads=1).run(None, IDS)[0]
     ref = make_session(q, threads=1, backend="reference").run(None, IDS)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+
+
+def test_cli_genai_keep_embedding(tmp_path: Path) -> None:
+    for flags, gathers in (([], 1), (["--keep-embedding"], 0)):
+        out = tmp_path / f"out{len(flags)}"
+        assert main(["genai", str(GENAI / "llama-tied-fp32"), "-o", str(out), "-q", *flags]) == 0
+        assert len(nodes_of(onnx.load(str(out / "model.onnx")), GATHER_OP_TYPE)) == gathers
