@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..ops.names import GATHER_OP_TYPE, OP_DOMAIN
+from ..contract import GATHER_OP_TYPE, OP_DOMAIN
 from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
 from .operands import Ineligible
 from .options import ExportOptions

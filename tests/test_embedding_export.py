@@ -11,7 +11,7 @@ import pytest
 from cim_int4.exporter import ExportOptions, export_int4, export_with_summary, load_model, rewrite_model
 from cim_int4.exporter.convert import convert_file
 from cim_int4.ops import reference
-from cim_int4.ops.names import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
 from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
@@ -195,7 +195,7 @@ def test_gathers_on_activations_or_shapes_are_not_reported() -> None:
 
 
 def test_a_probe_model_leaves_gathers_alone() -> None:
-    from cim_int4.exporter.rewrite import probe_model
+    from cim_int4.exporter.probe import probe_model
 
     probe, candidates = probe_model(lm("transpose"), ExportOptions())
     assert [n.op_type for n in probe.graph.node].count("Gather") == 1

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from cim_int4.ops import reference
-from cim_int4.ops.names import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import KERNEL_ENV, available_kernels, op_attributes, quantized
 from onnx import TensorProto, helper, numpy_helper
 

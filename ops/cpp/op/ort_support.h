@@ -5,6 +5,8 @@
 
 #include <onnxruntime_c_api.h>
 
+#include "cim_int4_contract.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
