@@ -11,12 +11,12 @@ import pytest
 from cim_int4.exporter import ExportOptions, export_int4, export_with_summary, load_model, rewrite_model
 from cim_int4.exporter.convert import convert_file
 from cim_int4.ops import reference
-from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
 from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
 from cim_int4.cli import main
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
 
 HERE = Path(__file__).resolve().parent
 GENAI = HERE / "genai"

@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import pytest
 from cim_int4.ops import reference
-from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import KERNEL_ENV, available_kernels, op_attributes, quantized
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
 
 
 def table(rows: int, k: int, group_size: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
