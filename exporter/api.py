@@ -219,7 +219,8 @@ def _export(
         quantized, summary = export_mixed(model, options)
     if note:
         summary.warnings.insert(0, note)
-    if not summary.rewritten:
+    # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.
+    if not any(r.op_type != "Gather" for r in summary.rewritten):
         mixed = summary.mixed_precision
         if mixed is not None and mixed.layers:
             least = max(mixed.layers, key=lambda x: x.cosine_alone)

@@ -54,6 +54,9 @@ class ExportOptions:
       weights are rounded given ``feeds`` (exporter.methods, docs/methods.md).
     * ``simplify``: run onnxsim first (extra ``simplify``).
     * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
+    * ``keep_embedding``: leave every Gather on a constant table (the token embedding) FP32; by
+      default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
+      (docs/embeddings.md).
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -70,6 +73,7 @@ class ExportOptions:
     gptq_damp: float = DEFAULT_DAMP  # times mean(diag H), added to H's diagonal
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
     gptq_act_order: bool = False  # sweep channels by decreasing H[k, k] (groups stay contiguous)
+    keep_embedding: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)

@@ -46,13 +46,22 @@ class Candidate:
 class ProbeRewriter(Rewriter):
     """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph initializer per node."""
 
+    quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
+
     def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
         super().__init__(model, options)
         self.candidates: list[Candidate] = []
         self.probe_weights: list[onnx.TensorProto] = []
 
     def core(
-        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+        self,
+        base: str,
+        key: str,
+        x: str,
+        out: str,
+        plan: Plan,
+        initializers: list[onnx.TensorProto],
+        table: object = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
         self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))

@@ -55,7 +55,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _genai(args: argparse.Namespace) -> int:
     from .genai import prepare
 
-    prepare(args.folder, args.output, compute=args.compute, group_size=args.group_size, quiet=args.quiet)
+    prepare(
+        args.folder,
+        args.output,
+        compute=args.compute,
+        group_size=args.group_size,
+        quiet=args.quiet,
+        keep_embedding=args.keep_embedding,
+    )
     return 0
 
 
@@ -207,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fold-input-initializers leaves them FP32)",
     )
     p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
+    p.add_argument(
+        "--keep-embedding",
+        action="store_true",
+        help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
+        "a tied LM head shares its int4 tensors (docs/embeddings.md)",
+    )
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
@@ -228,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
     group_help = "group size when the folder's model is FP32 and gets exported"
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    p.add_argument(
+        "--keep-embedding", action="store_true", help="when exported: leave the token embedding FP32 (see export)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_genai)
 

@@ -156,8 +156,9 @@ def measure(case: Case, rules: tuple[str, ...] = (*SCALE_RULES, METHOD_AUTO), ba
         calibrated = {"feeds": calibration, "target_cosine": 0.0} if rule in ("auto", METHOD_AUTO) else {}
         if rule == METHOD_AUTO:
             calibrated["method"] = "auto"
+        # The embedding stays FP32, as MatMulNBits leaves it: the columns differ only in the MatMuls.
         quantized, summary = export_with_summary(
-            model, scale_rule="auto" if rule == METHOD_AUTO else rule, exclude=left, **calibrated
+            model, scale_rule="auto" if rule == METHOD_AUTO else rule, exclude=left, keep_embedding=True, **calibrated
         )
         if rule == "auto":
             chose = summary.mixed_precision.rule_choice.chosen
