@@ -1,4 +1,4 @@
-"""The ``cim-int4`` command: export, validate, demo, bench."""
+"""The ``cim-int4`` command: export, validate, demo, bench, tune."""
 
 from __future__ import annotations
 
@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="latency of FP32 ORT, ORT MatMulNBits and CimInt4MatMul, with bandwidth")
     bench.add_arguments(p)
     p.set_defaults(func=bench.run)
+
+    from . import tune_cli
+
+    p = sub.add_parser("tune", help="time the kernel variants on this CPU and save the fastest to the per-CPU profile")
+    tune_cli.add_arguments(p)
+    p.set_defaults(func=tune_cli.run)
     return parser
 
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -21,6 +22,7 @@
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
 #include "op/ort_support.h"
+#include "tune/profile.h"
 
 namespace {
 
@@ -122,6 +124,13 @@ class Kernel {
       attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
                  available + " (or auto)");
     }
+    // The decode variant per mode: CIM_INT4_VARIANT, this CPU's profile, or a tuning now.
+    cim::VariantChoice choice;
+    std::string variant_error;
+    if (!cim::choose_variants(*kernels_, choice, variant_error)) attrs.fail(variant_error);
+    if (!choice.message.empty()) std::fprintf(stderr, "%s\n", choice.message.c_str());
+    variant_[cim::kFp32] = choice.variant[cim::kFp32];
+    variant_[cim::kInt8] = choice.variant[cim::kInt8];
     ranges_ = parallel_ranges(config);
   }
 
@@ -177,7 +186,7 @@ class Kernel {
     job.args.Y = static_cast<float*>(y_data);
     job.args.ldy = w.N;
     job.args.W = &w;
-    job.fn = kernels_->matmul_fp32;
+    job.fn = variant_[cim::kFp32]->matmul[cim::kFp32];
     if (int8_) {
       // A is quantized once per call, before the parallel section.
       const int64_t k_padded = w.groups * w.group_size;
@@ -191,7 +200,7 @@ class Kernel {
       kernels_->quantize_a(A, M, w.K, w.K, w.group_size, q, scale, zsum);
       job.qa = cim::QuantizedA{q, scale, zsum};
       job.args.QA = &job.qa;
-      job.fn = kernels_->matmul_int8;
+      job.fn = variant_[cim::kInt8]->matmul[cim::kInt8];
     }
     // Contiguous static ranges of whole strips (4 tiles, 64 channels), one per pool thread:
     // each thread streams one stretch of the weights, and range edges fall 256 bytes apart
@@ -229,6 +238,7 @@ class Kernel {
   bool int8_ = false;  // compute mode "int8" (else "fp32")
   cim::PackedStorage storage_;
   const cim::KernelTable* kernels_ = nullptr;
+  const cim::KernelVariant* variant_[2] = {nullptr, nullptr};  // per cim::Mode
   int64_t ranges_ = 1;
 };
 
