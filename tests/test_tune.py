@@ -45,7 +45,10 @@ def test_every_variant_gives_the_same_bits(kernel: str, compute: str, monkeypatc
     # (decode, where variants differ) and M = 3 (prefill); 1 and 2 threads (range splits).
     qw = quantized(1000, 200, 32, seed=7)
     rng = np.random.default_rng(7)
-    inputs = {"A0": rng.standard_normal((1, 1000), dtype=np.float32), "A1": rng.standard_normal((3, 1000), dtype=np.float32)}
+    inputs = {
+        "A0": rng.standard_normal((1, 1000), dtype=np.float32),
+        "A1": rng.standard_normal((3, 1000), dtype=np.float32),
+    }
     model = op_model(op_attributes(qw, None, compute=compute), [[1, 1000], [3, 1000]])
     outputs = {}
     for name in names:
@@ -66,16 +69,16 @@ def _child(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
 
 
-_SESSION_CODE = """
+_SESSION_CODE = f"""
 import numpy as np, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {str(Path(__file__).parent)!r})
 from conftest import op_attributes, op_model, quantized
 from cim_int4 import make_session
 qw = quantized(256, 64, 32, seed=3)
 a = np.random.default_rng(3).standard_normal((1, 256), dtype=np.float32)
 y = make_session(op_model(op_attributes(qw, None, compute="int8"), [[1, 256]]), threads=1).run(None, {{"A0": a}})[0]
 sys.stdout.write(y.tobytes().hex())
-""".format(tests=str(Path(__file__).parent))
+"""
 
 _CHOICE_CODE = "import json; from cim_int4.ops import tuning; print(json.dumps(tuning.current_variants()))"
 
