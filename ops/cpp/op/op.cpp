@@ -129,8 +129,8 @@ class Kernel {
     std::string variant_error;
     if (!cim::choose_variants(*kernels_, choice, variant_error)) attrs.fail(variant_error);
     if (!choice.message.empty()) std::fprintf(stderr, "%s\n", choice.message.c_str());
-    variant_[cim::kFp32] = choice.variant[cim::kFp32];
-    variant_[cim::kInt8] = choice.variant[cim::kInt8];
+    const cim::Mode mode = int8_ ? cim::kInt8 : cim::kFp32;
+    matmul_ = choice.variant[mode]->matmul[mode];
     ranges_ = parallel_ranges(config);
   }
 
@@ -186,7 +186,7 @@ class Kernel {
     job.args.Y = static_cast<float*>(y_data);
     job.args.ldy = w.N;
     job.args.W = &w;
-    job.fn = variant_[cim::kFp32]->matmul[cim::kFp32];
+    job.fn = matmul_;
     if (int8_) {
       // A is quantized once per call, before the parallel section.
       const int64_t k_padded = w.groups * w.group_size;
@@ -200,7 +200,6 @@ class Kernel {
       kernels_->quantize_a(A, M, w.K, w.K, w.group_size, q, scale, zsum);
       job.qa = cim::QuantizedA{q, scale, zsum};
       job.args.QA = &job.qa;
-      job.fn = variant_[cim::kInt8]->matmul[cim::kInt8];
     }
     // Contiguous static ranges of whole strips (4 tiles, 64 channels), one per pool thread:
     // each thread streams one stretch of the weights, and range edges fall 256 bytes apart
@@ -238,7 +237,7 @@ class Kernel {
   bool int8_ = false;  // compute mode "int8" (else "fp32")
   cim::PackedStorage storage_;
   const cim::KernelTable* kernels_ = nullptr;
-  const cim::KernelVariant* variant_[2] = {nullptr, nullptr};  // per cim::Mode
+  cim::MatMulFn matmul_ = nullptr;  // the chosen variant's kernel for this node's mode
   int64_t ranges_ = 1;
 };
 

@@ -38,8 +38,8 @@ struct TuneReport {
   int chosen[2] = {0, 0};         // per Mode, an index into rows
 };
 
-// Interleaved rounds (a streaming read, then every variant in both modes, the order
-// rotated each round) over a stream larger than the last-level cache. Per mode the
+// Interleaved rounds (a streaming read, then every variant in both modes in an order
+// shuffled each round) over a stream larger than the last-level cache. Per mode the
 // variant with the lowest median time relative to the default in the same round; the
 // default is kept unless that variant beats it by more than kTuneMargin over at least
 // kTuneMinRounds rounds (so a choice is never worse than the default beyond noise).
