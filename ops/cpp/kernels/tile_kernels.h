@@ -283,13 +283,14 @@ struct TileKernels {
 
   // M = 1: NT tiles side by side (NT = 4: a whole strip, its part of the stream read
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
-  // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h).
+  // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
+  // of a short last strip take the default prefetch, one at a time.
   template <bool kInt8, int NT, int64_t kAhead, int kHint>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
     for (; t + NT <= tile_end; t += NT) block<kInt8, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
-    for (; t < tile_end; ++t) block<kInt8, 1, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
+    for (; t < tile_end; ++t) block<kInt8, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
   }
 
   // M > 1 (M = 1 works too, at prefill's pace).

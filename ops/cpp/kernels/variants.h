@@ -49,17 +49,14 @@ struct Variants {
       variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's default (measured on Zen 5)
       variant<S, S, 4, 12288, kT0>("t4-pf12k"),  // fp32 mode's default (measured on Zen 5)
       variant<S, S, 4, 0, kT0>("t4-nopf"),
-      variant<S, S, 4, 3072, kT0>("t4-pf3k"),
       variant<S, S, 4, 24576, kT0>("t4-pf24k"),
       variant<S, S, 4, 6144, kNta>("t4-pf6k-nta"),
       variant<S, S, 4, 12288, kNta>("t4-pf12k-nta"),
       variant<S, S, 2, 6144, kT0>("t2-pf6k"),
-      variant<S, S, 2, 12288, kT0>("t2-pf12k"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
-      variant<S, Y, 4, 12288, kT0>("ymm-t4-pf12k"),
       variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
   };
-  static constexpr int kYmmRows = 3;
+  static constexpr int kYmmRows = 2;
   static constexpr int count = int(sizeof all / sizeof all[0]) - (std::is_same_v<S, Y> ? kYmmRows : 0);
 };
 
