@@ -94,8 +94,9 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "/dflt: median over rounds of the time over the default's in the same round; /read: the streaming "
         "read's time over the variant's",
-        f"* chosen, d default (kept unless another is > {report['margin'] * 100:.0f}% faster over >= "
-        f"{report['min_rounds']} rounds): fp32 {report['chosen']['fp32']}, int8 {report['chosen']['int8']}",
+        f"* chosen, d default (kept unless another is > {report['margin'] * 100:.0f}% faster, in the median and "
+        f"in 3 of 4 rounds, over >= {report['min_rounds']} rounds): "
+        f"fp32 {report['chosen']['fp32']}, int8 {report['chosen']['int8']}",
     ]
     if report["saved"]:
         lines.append(f"saved to {report['profile']}")

@@ -196,9 +196,14 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
     for (int v = 0; v < n; ++v) {
       const auto& t = times[static_cast<size_t>(2 * v + mode)];
       std::vector<double> ratios;
-      for (size_t i = 0; i < t.size(); ++i) ratios.push_back(t[i] / def[i]);
+      int wins = 0;  // rounds in which it beat the default by more than the margin
+      for (size_t i = 0; i < t.size(); ++i) {
+        ratios.push_back(t[i] / def[i]);
+        wins += ratios.back() < 1.0 - kTuneMargin;
+      }
       r.rows[v].vs_default[mode] = median(ratios);
-      if (r.rows[v].vs_default[mode] < best_ratio) {
+      const bool steady = 4 * wins >= 3 * r.rounds;
+      if (steady && r.rows[v].vs_default[mode] < best_ratio) {
         best_ratio = r.rows[v].vs_default[mode];
         best = v;
       }

@@ -41,8 +41,9 @@ struct TuneReport {
 // Interleaved rounds (a streaming read, then every variant in both modes in an order
 // shuffled each round) over a stream larger than the last-level cache. Per mode the
 // variant with the lowest median time relative to the default in the same round; the
-// default is kept unless that variant beats it by more than kTuneMargin over at least
-// kTuneMinRounds rounds (so a choice is never worse than the default beyond noise).
+// default is kept unless that variant beats it by more than kTuneMargin in the median
+// and in at least 3 of 4 rounds, over at least kTuneMinRounds rounds (so a choice is never
+// worse than the default beyond noise, and a loaded machine keeps the default).
 // A table with one variant returns at once.
 constexpr double kTuneMargin = 0.03;
 constexpr int kTuneMinRounds = 3;
