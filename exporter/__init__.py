@@ -1,23 +1,18 @@
 """FP32 ONNX model -> CimInt4MatMul model."""
 
+from ..contract import DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, pack
 from .api import ExportError, NothingToQuantize, export_int4, export_with_summary, load_model, save_model
-from .options import DEFAULT_COMPUTE, ExportOptions
-from .quantize import (
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_SCALE_RULE,
-    SUPPORTED_GROUP_SIZES,
-    QuantizedWeight,
-    pack,
-    quantize,
-    quantize_weight,
-)
-from .rewrite import ExportSummary, Rewritten, Skipped, rewrite_model
+from .options import DEFAULT_TARGET_COSINE, ExportOptions
+from .quantize import DEFAULT_SCALE_RULE, QuantizedWeight, quantize, quantize_weight
+from .rewrite import rewrite_model
 from .scale_rules import SCALE_RULES
+from .summary import ExportSummary, Rewritten, Skipped
 
 __all__ = [
     "DEFAULT_COMPUTE",
     "DEFAULT_GROUP_SIZE",
     "DEFAULT_SCALE_RULE",
+    "DEFAULT_TARGET_COSINE",
     "SCALE_RULES",
     "SUPPORTED_GROUP_SIZES",
     "ExportError",

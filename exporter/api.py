@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import onnx
 from onnx import helper
 
-from ..ops.names import OP_DOMAIN, OP_TYPE
+from ..contract import OP_DOMAIN, OP_TYPE
 from . import io
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
-from .options import DEFAULT_COMPUTE, ExportOptions
-from .quantize import DEFAULT_SCALE_RULE
-from .rewrite import ExportSummary, rewrite_model
-from .sensitivity import DEFAULT_TARGET_COSINE, Feeds, export_mixed
+from .options import ExportOptions
+from .rewrite import rewrite_model
+from .sensitivity import export_mixed
 from .simplify import simplify_model
+from .summary import ExportSummary
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 
@@ -64,26 +66,31 @@ def max_ir_version() -> int:
     raise ExportError("the installed onnxruntime loads no ONNX IR version >= 4")
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Load an ONNX model file with its external data, with a one-line error that names the file."""
+@contextmanager
+def file_errors(path: str | os.PathLike | None) -> Iterator[None]:
+    """The one mapping of file errors to ExportError: ModelFileError as is, OSError naming its file (or ``path``)."""
     try:
-        model, _ = read_model(path)
-        TensorStore().inline(model)
+        yield
     except ModelFileError as e:
         raise ExportError(str(e)) from e
     except OSError as e:
-        raise ExportError(f"{path}: cannot read ({e.strerror or e})") from e
+        raise ExportError(f"{e.filename or path}: {e.strerror or e}") from e
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Load an ONNX model file with its external data, with a one-line error that names the file."""
+    with file_errors(path):
+        model, _ = read_model(path)
+        TensorStore().inline(model)
     return model
 
 
 def check_output_path(source: str | os.PathLike, output: str | os.PathLike) -> None:
     """Raise ExportError unless writing ``output`` and ``<output>.data`` leaves every file ``source`` reads alone."""
-    try:
+    with file_errors(source):
         _, input_files = read_model(source)
         out = Path(output)
         io.check_output(out, out.with_name(f"{out.name}.data"), input_files)
-    except ModelFileError as e:
-        raise ExportError(str(e)) from e
 
 
 def save_model(
@@ -97,104 +104,86 @@ def save_model(
     """Write ``model`` to ``output`` atomically; tensors go to ``<output>.data`` when over 1 GiB or ``external_data``.
 
     ``external_data=True`` halves what ORT keeps of the weights in a session loaded from ``output``
-    (README, "Session memory"). ``consume=True``: the caller hands ``model`` over, and its tensors
-    move out of it instead of out of a copy (no second copy of the weights in memory); do not
-    use ``model`` afterwards.
+    (docs/design.md, "Session memory"). ``consume=True``: the caller hands ``model`` over, and its
+    tensors move out of it instead of out of a copy (no second copy of the weights in memory); do
+    not use ``model`` afterwards.
     """
-    try:
-        with OutputFiles(output) as files:
-            size = io.model_size(model)
-            if not consume and (external_data or size > io.EXTERNAL_DATA_THRESHOLD):
-                # Tensors move out of the proto that is saved; the caller's model must stay whole.
-                copy = onnx.ModelProto()
-                copy.CopyFrom(model)
-                model = copy
-            store = TensorStore(files, Progress(size, quiet))
-            files.commit(model, store, external_data=external_data)
-    except ModelFileError as e:
-        raise ExportError(str(e)) from e
-    except OSError as e:
-        raise ExportError(f"{output}: cannot write ({e.strerror or e})") from e
+    with file_errors(output), OutputFiles(output) as files:
+        _commit(files, model, quiet, external_data, consume)
+
+
+def _commit(files: OutputFiles, model: onnx.ModelProto, quiet: bool, external_data: bool, consume: bool) -> None:
+    size = io.model_size(model)
+    if not consume and (external_data or size > io.EXTERNAL_DATA_THRESHOLD):
+        # Tensors move out of the proto that is saved; the caller's model must stay whole.
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
+    store = TensorStore(files, Progress(size, quiet))
+    files.commit(model, store, external_data=external_data)
 
 
 def export_int4(
     model: ModelSource,
     output: str | os.PathLike | None = None,
+    options: ExportOptions | None = None,
     *,
-    group_size: int = 32,
-    exclude: Iterable[str] = (),
-    min_size: int = 0,
-    scale_rule: str = DEFAULT_SCALE_RULE,
-    compute: str = DEFAULT_COMPUTE,
-    feeds: str | os.PathLike | Feeds | None = None,
-    target_cosine: float = DEFAULT_TARGET_COSINE,
     quiet: bool = False,
-    fold_input_initializers: bool | None = None,
-    simplify: bool = False,
-    external_data: bool = False,
+    **overrides: Any,
 ) -> onnx.ModelProto:
     """Quantize each eligible MatMul/Gemm of ``model`` (path or ModelProto) to CimInt4MatMul; write ``output`` if given.
 
-    ``scale_rule``: one of SCALE_RULES (see exporter.scale_rules); ``compute``: the
-    ``compute`` attribute of every node ("fp32" or "int8"). With ``feeds`` (an .npz path or
-    a dict of input arrays) the most sensitive layers stay FP32 until the outputs reach
-    ``target_cosine`` on them (see exporter.sensitivity).
-    ``fold_input_initializers``: see ExportOptions; ``simplify`` runs onnxsim first (extra ``simplify``).
-    From a path (without ``simplify`` or ``feeds``), weights are read one at a time and the
-    output is written as it goes, so memory stays well under the model's size. The output keeps
-    its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``: a
-    session loaded from it then holds 2x the int4 weights instead of 3x (README, "Session
-    memory"). When the output has external data, the returned model refers to ``<output>.data``
-    (load it from ``output``).
+    What to do is an ExportOptions: ``options``, with any of its fields given by name as
+    keywords (``export_int4(path, out, group_size=64, compute="int8")``; see ExportOptions for
+    each). From a path (without ``simplify`` or ``feeds``), weights are read one at a time and
+    the output is written as it goes, so memory stays well under the model's size. The output
+    keeps its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``:
+    a session loaded from it then holds 2x the int4 weights instead of 3x (docs/design.md,
+    "Session memory"). When a streamed output has external data, the returned model refers to
+    ``<output>.data`` (load it from ``output``).
     Raises NothingToQuantize when no node qualifies, ExportError for unreadable input or
-    an output path that would touch a file the input reads, ValueError for a bad option.
+    an output path that would touch a file the input reads, ValueError for a bad option
+    (TypeError for an unknown one).
     """
-    options = {
-        "group_size": group_size,
-        "exclude": exclude,
-        "min_size": min_size,
-        "scale_rule": scale_rule,
-        "compute": compute,
-        "feeds": feeds,
-        "target_cosine": target_cosine,
-        "fold_input_initializers": fold_input_initializers,
-        "simplify": simplify,
-    }
-    if isinstance(model, onnx.ModelProto) or simplify or feeds is not None:
-        # onnxsim and the sensitivity analysis need the whole model in memory: those exports do not stream.
-        if not isinstance(model, onnx.ModelProto):
-            if output is not None:
-                check_output_path(model, output)
-            model = load_model(model)
-        quantized, summary = export_with_summary(model, **options)
-        _report(summary, quiet)
-        if output is not None:
-            save_model(quantized, output, quiet=quiet, external_data=external_data)
-            _wrote(output, quiet)
-        return quantized
-    try:
-        proto, input_files = read_model(model)
-        if output is None:
-            store = TensorStore()
-            quantized, summary = _export(proto, store, **options)
-            store.inline(quantized)
-            _report(summary, quiet)
-            return quantized
-        with OutputFiles(output, input_files) as files:
-            progress = Progress(TensorStore().external_bytes(proto), quiet)
-            try:
-                store = TensorStore(files, progress)
-                quantized, summary = _export(proto, store, **options)
-                files.commit(quantized, store, external_data=external_data)
-            finally:
-                progress.close()
-    except ModelFileError as e:
-        raise ExportError(str(e)) from e
-    except OSError as e:
-        raise ExportError(f"{e.filename or output}: {e.strerror or e}") from e
+    options = (options or ExportOptions()).with_(**overrides)
+    with file_errors(output):
+        quantized, summary = _pipeline(model, output, options, quiet)
     _report(summary, quiet)
-    _wrote(output, quiet)
+    if output is not None:
+        _wrote(output, quiet)
     return quantized
+
+
+def _pipeline(
+    model: ModelSource, output: str | os.PathLike | None, options: ExportOptions, quiet: bool
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """Read, rewrite, write; weights stream from input to output unless the model is a proto or must be whole."""
+    if isinstance(model, onnx.ModelProto):
+        proto, input_files = model, []
+    else:
+        proto, input_files = read_model(model)
+    stream = not isinstance(model, onnx.ModelProto) and not options.whole_model
+    if not stream and proto is not model:
+        TensorStore().inline(proto)  # onnxsim and the sensitivity analysis need every weight in memory
+    if output is None:
+        store = TensorStore() if stream else None
+        quantized, summary = _export(proto, store, options)
+        if store is not None:
+            store.inline(quantized)
+        return quantized, summary
+    with OutputFiles(output, input_files) as files:
+        if not stream:
+            quantized, summary = _export(proto, None, options)
+            _commit(files, quantized, quiet, options.external_data, consume=False)
+            return quantized, summary
+        progress = Progress(TensorStore().external_bytes(proto), quiet)
+        try:
+            store = TensorStore(files, progress)
+            quantized, summary = _export(proto, store, options)
+            files.commit(quantized, store, external_data=options.external_data)
+        finally:
+            progress.close()
+    return quantized, summary
 
 
 def _report(summary: ExportSummary, quiet: bool) -> None:
@@ -208,56 +197,22 @@ def _wrote(output: str | os.PathLike, quiet: bool) -> None:
 
 
 def export_with_summary(
-    model: onnx.ModelProto,
-    *,
-    group_size: int = 32,
-    exclude: Iterable[str] = (),
-    min_size: int = 0,
-    scale_rule: str = DEFAULT_SCALE_RULE,
-    compute: str = DEFAULT_COMPUTE,
-    feeds: str | os.PathLike | Feeds | None = None,
-    target_cosine: float = DEFAULT_TARGET_COSINE,
-    fold_input_initializers: bool | None = None,
-    simplify: bool = False,
+    model: onnx.ModelProto, options: ExportOptions | None = None, **overrides: Any
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Like export_int4 on a ModelProto, returning the summary too and printing nothing."""
-    return _export(
-        model,
-        None,
-        group_size=group_size,
-        exclude=exclude,
-        min_size=min_size,
-        scale_rule=scale_rule,
-        compute=compute,
-        feeds=feeds,
-        target_cosine=target_cosine,
-        fold_input_initializers=fold_input_initializers,
-        simplify=simplify,
-    )
+    return _export(model, None, (options or ExportOptions()).with_(**overrides))
 
 
 def _export(
-    model: onnx.ModelProto,
-    tensors: TensorStore | None,
-    *,
-    group_size: int,
-    exclude: Iterable[str],
-    min_size: int,
-    scale_rule: str,
-    compute: str,
-    feeds: str | os.PathLike | Feeds | None,
-    target_cosine: float,
-    fold_input_initializers: bool | None,
-    simplify: bool,
+    model: onnx.ModelProto, tensors: TensorStore | None, options: ExportOptions
 ) -> tuple[onnx.ModelProto, ExportSummary]:
-    options = ExportOptions(group_size, tuple(exclude), min_size, scale_rule, compute, fold_input_initializers)
     note = None
-    if simplify:
+    if options.simplify:
         model, note = simplify_model(model)
-    if feeds is None:
+    if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
-        quantized, summary = export_mixed(model, feeds, target_cosine, options)
+        quantized, summary = export_mixed(model, options)
     if note:
         summary.warnings.insert(0, note)
     if not summary.rewritten:
@@ -265,7 +220,7 @@ def _export(
         if mixed is not None and mixed.layers:
             least = max(mixed.layers, key=lambda x: x.cosine_alone)
             raise ExportError(
-                f"target cosine {target_cosine} needs every layer in FP32: even {least.name!r} alone in INT4 "
+                f"target cosine {options.target_cosine} needs every layer in FP32: even {least.name!r} alone in INT4 "
                 f"gives {least.cosine_alone:.6f}; lower --target-cosine or check the calibration inputs"
             )
         raise NothingToQuantize(summary, _int4_nodes(model))

@@ -20,19 +20,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from ..contract import (
+    COMPUTE_MODES,
+    DEFAULT_COMPUTE,
+    OP_DOMAIN,
+    OP_TYPE,
+    OP_VERSION,
+    SUPPORTED_GROUP_SIZES,
+    Int4Node,
+    pack,
+    unpack,
+    unpack_codes,
+)
 from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
 from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
-from .quantize import SUPPORTED_GROUP_SIZES
-from .rewrite import Skipped, drop_stray_imports
+from .rewrite import drop_stray_imports
 from .subgraph import drop_unused, used_names
+from .summary import Skipped
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
-COMPUTE_CHOICES = ("auto", "fp32", "int8")
+COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 # MatMulNBits input slots (ORT contrib op schema).
 _A, _B, _SCALES, _ZERO_POINTS, _G_IDX, _BIAS = range(6)
 
@@ -106,8 +117,7 @@ def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
     row_bytes = -(-blocks // 2)
     if zp.size != n * row_bytes:
         raise _Unconvertible(f"zero points have {zp.size} bytes, expected N * ceil(blocks/2) = {n * row_bytes}")
-    rows = zp.reshape(n, row_bytes)
-    codes = np.stack([rows & 0x0F, rows >> 4], axis=2).reshape(n, 2 * row_bytes)[:, :blocks]
+    codes = unpack_codes(zp.reshape(n, row_bytes))[:, :blocks]
     return bool(np.all(codes == 8))
 
 
@@ -151,26 +161,23 @@ def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[on
     packed = b.reshape(n, blocks * block // 2)
     if k % block:
         # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
-        codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)
-        codes[:, k:] = 8
-        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+        q = unpack(packed)
+        q[:, k:] = 0
+        packed = pack(q)
     mode = compute if compute != "auto" else ("int8" if attrs.get("accuracy_level", 0) == 4 else "fp32")
-    extra = {"bias": numpy_helper.from_array(bias, "bias")} if bias is not None else {}
-    if mode != "fp32":  # absent means fp32, which older builds of the op also understand
-        extra["compute"] = mode
-    new = helper.make_node(
-        OP_TYPE,
-        [node.input[_A]],
-        [node.output[0]],
-        name=node.name or f"{node.output[0]}/{OP_TYPE}",
-        domain=OP_DOMAIN,
-        K=k,
-        N=n,
-        group_size=block,
-        packed=numpy_helper.from_array(np.ascontiguousarray(packed), "packed"),
-        scales=numpy_helper.from_array(np.ascontiguousarray(scales), "scales"),
-        **extra,
-    )
+    new = Int4Node(
+        node.name or f"{node.output[0]}/{OP_TYPE}",
+        (node.input[_A],),
+        (node.output[0],),
+        k,
+        n,
+        block,
+        packed,
+        scales,
+        bias,
+        # Absent means fp32, which older builds of the op also understand.
+        None if mode == DEFAULT_COMPUTE else mode,
+    ).to_node()
     return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
 
 
@@ -274,7 +281,7 @@ def convert_file(
 ) -> ConvertSummary:
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
-    Reads one node's weights at a time: memory peaks near the int4 weights once (README, "convert").
+    Reads one node's weights at a time: memory peaks near the int4 weights once (docs/guide.md, "convert").
 
     ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
     """

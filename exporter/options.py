@@ -1,29 +1,44 @@
-"""ExportOptions: which MatMul/Gemm nodes an export quantizes, and how."""
+"""ExportOptions: everything an export is asked to do, in one value carried whole from the CLI or API to its users.
+
+To add an option: add a field here (with its default and, if it can be wrong, its check in
+``__post_init__``), then read ``options.<field>`` where it acts (rewrite, sensitivity, api).
+``export_int4(..., <field>=value)`` and ``cim-int4 export`` pick it up by name: the CLI maps
+every flag whose ``dest`` is a field name (``cli.export_options``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
-from ..ops.reference import COMPUTE_MODES
-from .quantize import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_RULE, check_group_size
+import numpy as np
+
+from ..contract import DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_compute, check_group_size
+from .quantize import DEFAULT_SCALE_RULE
 from .scale_rules import check_scale_rule
 
-# Written into every node's ``compute`` attribute unless the export asks otherwise.
-DEFAULT_COMPUTE = "fp32"
+# Output cosine the sensitivity analysis aims for on the calibration inputs (``feeds``).
+DEFAULT_TARGET_COSINE = 0.99
 
-
-def check_compute(compute: str) -> None:
-    """Raise ValueError unless ``compute`` is a compute mode of the op."""
-    if compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+Feeds = Mapping[str, np.ndarray]
 
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """Which nodes (group size, exclusions, minimum size, input initializers) and how (scale rule, compute mode).
+    """Which MatMul/Gemm nodes an export quantizes, how, and how the output is written.
 
-    ``fold_input_initializers``: initializers also listed as graph inputs are quantized with a
-    warning (None), quantized silently (True) or left in FP32 (False).
+    * ``group_size``, ``scale_rule``, ``compute``: the nodes' group size, the rule choosing
+      their scales (exporter.scale_rules) and their ``compute`` attribute.
+    * ``exclude`` (regular expressions over node names) and ``min_size`` (weight elements):
+      nodes left FP32.
+    * ``fold_input_initializers``: initializers also listed as graph inputs are quantized with
+      a warning (None), quietly (True) or left FP32 (False).
+    * ``feeds`` (an ``.npz`` path or a dict of input arrays) and ``target_cosine``: keep the
+      most sensitive layers FP32 until the outputs reach ``target_cosine`` (exporter.sensitivity).
+    * ``simplify``: run onnxsim first (extra ``simplify``).
+    * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -32,9 +47,30 @@ class ExportOptions:
     scale_rule: str = DEFAULT_SCALE_RULE
     compute: str = DEFAULT_COMPUTE
     fold_input_initializers: bool | None = None
+    feeds: str | os.PathLike | Feeds | None = None
+    target_cosine: float = DEFAULT_TARGET_COSINE
+    simplify: bool = False
+    external_data: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
         check_scale_rule(self.scale_rule)
         check_compute(self.compute)
         object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether the export needs every weight in memory (onnxsim and the sensitivity analysis do)."""
+        return self.simplify or self.feeds is not None
+
+    def with_(self, **changes: Any) -> ExportOptions:
+        """A copy with ``changes`` (field names); TypeError names an unknown one."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"unknown export option(s) {', '.join(unknown)}; ExportOptions has {names()}")
+        return replace(self, **changes) if changes else self
+
+
+def names() -> str:
+    """The option names, comma-separated (for messages)."""
+    return ", ".join(f.name for f in fields(ExportOptions))

@@ -1,4 +1,4 @@
-"""Symmetric INT4 quantization and the `CimInt4MatMul` attribute format (the contract).
+"""Symmetric INT4 quantization of a weight into the `CimInt4MatMul` attribute format (cim_int4.contract).
 
 For a weight ``W`` of shape ``[K, N]`` (``y = x @ W``) and group size ``g``:
 
@@ -25,11 +25,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, check_group_size, pack
 from .scale_rules import check_scale_rule, group_scales
 
-SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
-DEFAULT_GROUP_SIZE = 32
-# Chosen by measurement: README "Accuracy".
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "DEFAULT_SCALE_RULE",
+    "SUPPORTED_GROUP_SIZES",
+    "QuantizedWeight",
+    "check_group_size",
+    "pack",
+    "quantize",
+    "quantize_weight",
+]
+# Chosen by measurement: docs/accuracy.md.
 DEFAULT_SCALE_RULE = "auto"
 
 
@@ -42,12 +51,6 @@ class QuantizedWeight:
     group_size: int
     packed: np.ndarray
     scales: np.ndarray
-
-
-def check_group_size(group_size: int) -> None:
-    """Raise ValueError unless ``group_size`` is one the op accepts."""
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}")
 
 
 def quantize(
@@ -74,16 +77,6 @@ def quantize(
     np.rint(blocks, out=blocks)
     q = np.clip(blocks, -8, 7, out=blocks).astype(np.int8)
     return q.reshape(n, groups * group_size), scales
-
-
-def pack(q: np.ndarray) -> np.ndarray:
-    """Pack int8 codes ``q`` [N, K_padded] (-8..7, K_padded even) two per byte, even k in the low nibble."""
-    if q.ndim != 2 or q.shape[1] % 2:
-        raise ValueError(f"q must be [N, K_padded] with K_padded even, got shape {q.shape}")
-    if q.size and (q.min() < -8 or q.max() > 7):
-        raise ValueError("q values must lie in -8..7")
-    codes = (q.astype(np.int16) + 8).astype(np.uint8)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
 
 
 # quantize() needs a few temporaries of the weight's size; big weights go in column blocks of this many bytes.

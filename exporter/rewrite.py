@@ -3,91 +3,20 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
+from ..contract import OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
 from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
 from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_domain
-
-if TYPE_CHECKING:
-    from .sensitivity import MixedPrecision
-
-# Probe weights (see probe_model) are named from this prefix.
-_PROBE_PREFIX = "cim_int4.probe."
-
-
-@dataclass(frozen=True)
-class Rewritten:
-    """One node that became CimInt4MatMul; ``path`` locates a node of a subgraph (``If 'c'/then_branch/``)."""
-
-    name: str
-    op_type: str
-    k: int
-    n: int
-    bytes_before: int
-    bytes_after: int
-    path: str = ""
-    notes: str = ""
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """One MatMul/Gemm node left as it was, and why."""
-
-    name: str
-    op_type: str
-    reason: str
-    path: str = ""
-
-
-@dataclass
-class ExportSummary:
-    """What the rewrite did: nodes rewritten and skipped, weight bytes before and after, warnings."""
-
-    group_size: int
-    scale_rule: str
-    compute: str
-    rewritten: list[Rewritten] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
-    mixed_precision: MixedPrecision | None = None
-
-    @property
-    def bytes_before(self) -> int:
-        return sum(r.bytes_before for r in self.rewritten)
-
-    @property
-    def bytes_after(self) -> int:
-        return sum(r.bytes_after for r in self.rewritten)
-
-    def format(self) -> str:
-        """A human-readable report, one line per node."""
-        lines = [
-            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}, "
-            f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
-        ]
-        for r in self.rewritten:
-            notes = f" ({r.notes})" if r.notes else ""
-            lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n}{notes}")
-        for s in self.skipped:
-            lines.append(f"  skipped   {s.path}{s.op_type} {s.name!r}: {s.reason}")
-        if self.rewritten:
-            ratio = self.bytes_before / max(self.bytes_after, 1)
-            lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
-        if self.mixed_precision is not None:
-            lines.append(self.mixed_precision.format())
-        lines.extend(f"  warning: {w}" for w in self.warnings)
-        return "\n".join(lines)
+from .summary import ExportSummary, Rewritten, Skipped
 
 
 def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | None:
@@ -129,16 +58,6 @@ class TensorIO(Protocol):
     def write(self, tensor: onnx.TensorProto) -> None: ...
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """An eligible MatMul/Gemm of a probe model: its key, probe weight name, weight [K, N] and bias [N] (or None)."""
-
-    key: str  # subgraph path + label, as in the summary; unique in the model
-    weight_name: str
-    w: np.ndarray
-    bias: np.ndarray | None
-
-
 def _patterns(exclude: tuple[str, ...]) -> list[tuple[str, re.Pattern[str]]]:
     patterns = []
     for text in exclude:
@@ -149,20 +68,18 @@ def _patterns(exclude: tuple[str, ...]) -> list[tuple[str, re.Pattern[str]]]:
     return patterns
 
 
-class _Rewriter:
+class Rewriter:
     """One rewrite of one model: walks every graph, plans each MatMul/Gemm, emits the replacement nodes.
 
-    A probe rewrite (``probe=True``) emits ``MatMul(x, W) [+ bias]`` instead of CimInt4MatMul,
-    W an overridable main-graph initializer per node: the sensitivity analysis feeds INT4 weights there.
+    ``core`` makes the node computing the product; a subclass (exporter.probe) emits another.
     """
 
     def __init__(
         self,
         model: onnx.ModelProto,
         options: ExportOptions,
-        keep: Mapping[str, str],
-        quantized: Mapping[str, QuantizedWeight],
-        probe: bool,
+        keep: Mapping[str, str] | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
         tensors: TensorIO | None = None,
     ):
         self.model = model
@@ -172,11 +89,8 @@ class _Rewriter:
         self.patterns = _patterns(options.exclude)
         self.min_size = options.min_size
         self.fold_inputs = options.fold_input_initializers is not False
-        self.keep = keep
-        self.quantized = quantized
-        self.probe = probe
-        self.candidates: list[Candidate] = []
-        self.probe_weights: list[onnx.TensorProto] = []
+        self.keep = keep or {}
+        self.quantized = quantized or {}
         self.opset = _default_opset(model)
         self.summary = ExportSummary(options.group_size, options.scale_rule, options.compute)
         self.names = defined_names(model.graph)
@@ -249,17 +163,12 @@ class _Rewriter:
             if key in self.keep:
                 self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
                 continue
-            qw = None
-            if not self.probe:
-                qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
-            replaced[index] = self.emit(node, plan, key, qw, casts, initializers)
+            replaced[index], after = self.emit(node, plan, key, casts, initializers)
             self.folded.update(plan.sources)
-            if qw is None:
-                continue
-            after = qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
-            self.summary.rewritten.append(
-                Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
-            )
+            if after is not None:
+                self.summary.rewritten.append(
+                    Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
+                )
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):
             first, *rest = replaced[index]
@@ -293,11 +202,10 @@ class _Rewriter:
         node: onnx.NodeProto,
         plan: Plan,
         key: str,
-        qw: QuantizedWeight | None,
         casts: dict[str, str],
         initializers: list[onnx.TensorProto],
-    ) -> list[onnx.NodeProto]:
-        """The nodes replacing ``node``: [Cast, Transpose, Mul,] CimInt4MatMul [, Cast, Unsqueeze, Add]."""
+    ) -> tuple[list[onnx.NodeProto], int | None]:
+        """The nodes replacing ``node`` ([Cast, Transpose, Mul,] core [, Cast, Unsqueeze, Add]) and core's bytes."""
         base = node.name or f"{node.output[0]}/{OP_TYPE}"
         nodes: list[onnx.NodeProto] = []
         x = node.input[0]
@@ -329,60 +237,40 @@ class _Rewriter:
 
         y = node.output[0]
         out = self.fresh(f"{y}/{OP_TYPE}") if steps else y
-        if qw is None:
-            nodes.extend(self._probe_core(base, key, x, out, plan, initializers))
-        else:
-            attrs = {
-                "K": qw.k,
-                "N": qw.n,
-                "group_size": qw.group_size,
-                "packed": numpy_helper.from_array(qw.packed, "packed"),
-                "scales": numpy_helper.from_array(qw.scales, "scales"),
-                "compute": self.options.compute,
-            }
-            if plan.bias is not None:
-                attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
-            op = helper.make_node(OP_TYPE, [x], [out], name=base, domain=OP_DOMAIN, **attrs)
-            if self.tensors is not None:
-                for a in op.attribute:
-                    if a.type == onnx.AttributeProto.TENSOR:
-                        self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
-            nodes.append(op)
+        core, after = self.core(base, key, x, out, plan, initializers)
+        nodes.extend(core)
         for i, (op, extra, attributes) in enumerate(steps):
             nxt = y if i == len(steps) - 1 else self.fresh(f"{y}/{op.lower()}")
             nodes.append(helper.make_node(op, [out, *extra], [nxt], name=f"{base}/{op.lower()}", **attributes))
             out = nxt
-        return nodes
+        return nodes, after
 
-    def _probe_core(
+    def core(
         self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
-    ) -> list[onnx.NodeProto]:
-        """``MatMul(x, W) [+ bias]`` in place of the op, W a new main-graph initializer (made overridable later)."""
-        w_name = self.fresh(f"{_PROBE_PREFIX}{len(self.candidates)}.weight")
-        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
-        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
-        if plan.bias is None:
-            return [helper.make_node("MatMul", [x, w_name], [out], name=base)]
-        b_name = self._constant(f"{w_name[: -len('weight')]}bias", plan.bias, initializers)
-        product = self.fresh(f"{out}/matmul")
-        return [
-            helper.make_node("MatMul", [x, w_name], [product], name=base),
-            helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias"),
-        ]
+    ) -> tuple[list[onnx.NodeProto], int | None]:
+        """The CimInt4MatMul computing ``out = x @ W (+ bias)`` and its weight bytes; tensors go to ``tensors`` as made.
+
+        A subclass returns None for the bytes when its node is not an INT4 one (the summary then skips it).
+        """
+        qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
+        op = Int4Node(
+            base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, self.options.compute
+        ).to_node()
+        if self.tensors is not None:
+            for a in op.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
+        return [op], qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
 
 
-def _rewrite(
-    model: onnx.ModelProto,
-    options: ExportOptions,
-    keep: Mapping[str, str],
-    quantized: Mapping[str, QuantizedWeight],
-    probe: bool,
-    tensors: TensorIO | None = None,
-) -> tuple[onnx.ModelProto, _Rewriter]:
+def run_rewrite(
+    model: onnx.ModelProto, options: ExportOptions, make: Callable[[onnx.ModelProto], Rewriter]
+) -> tuple[onnx.ModelProto, Rewriter]:
+    """Rewrite a copy of ``model`` with the Rewriter ``make(copy)`` returns; the copy and the rewriter."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     dropped = drop_stray_imports(out)
-    rewriter = _Rewriter(out, options, keep, quantized, probe, tensors)
+    rewriter = make(out)
     summary = rewriter.summary
     summary.warnings.extend(dropped)
     rewriter.rewrite_graph(out.graph, None, "")
@@ -416,20 +304,6 @@ def rewrite_model(
     ``tensors`` reads weights held outside the proto and takes each new attribute tensor as it
     is made (the exporter streams them to the output file); by default everything is inline.
     """
-    out, rewriter = _rewrite(model, options or ExportOptions(), keep or {}, quantized or {}, False, tensors)
+    options = options or ExportOptions()
+    out, rewriter = run_rewrite(model, options, lambda m: Rewriter(m, options, keep, quantized, tensors))
     return out, rewriter.summary
-
-
-def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
-    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
-
-    Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
-    feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
-    """
-    out, rewriter = _rewrite(model, options, {}, {}, probe=True)
-    graph = out.graph
-    graph.initializer.extend(rewriter.probe_weights)
-    graph.input.extend(
-        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
-    )
-    return out, rewriter.candidates

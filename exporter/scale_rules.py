@@ -27,7 +27,7 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   and keeps the rule whose outputs are closer to FP32 on those inputs
   (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
   be better on every model without looking at its inputs: the errors of different
-  layers add or cancel by chance (README "Accuracy").
+  layers add or cancel by chance (docs/accuracy.md).
 """
 
 from __future__ import annotations

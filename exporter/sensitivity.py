@@ -21,93 +21,38 @@ worst row of a small batch is too noisy to choose by). ``target_cosine=0`` stops
 is kept FP32 and no per-layer run is made.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
-Cosine (``worst_cosine``): per float output and per index of its first axis (the batch),
-the worst over all of them.
+Cosine (``cim_int4.metrics.worst_cosine``, with its rule for non-finite values): per float
+output and per index of its first axis (the batch), the worst over all of them.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..graphs.feeds import load_feeds
+from ..metrics import row_cosines, worst, worst_cosine
+from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from ..ops.session import session_options
-from .options import ExportOptions
+from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
+from .probe import probe_model
 from .quantize import QuantizedWeight, quantize_weight
-from .rewrite import ExportSummary, probe_model, rewrite_model
+from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
-
-DEFAULT_TARGET_COSINE = 0.99
-# Models above this go to ORT as a file with external data (protobuf cannot hold 2 GiB).
-_IN_MEMORY_LIMIT = 1 << 30
-
-Feeds = Mapping[str, np.ndarray]
+from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
 
 
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
-
-
-def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
-        # Two all-zero rows agree; one zero row against a non-zero one does not.
-        both = nr * no
-        cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
-        found.append(np.where(both > 0, cos, (nr == 0) & (no == 0)))
-    return np.concatenate(found) if found else np.ones(0)
-
-
-def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
-    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
-    found = []
-    for r, o in _rows(reference, outputs):
-        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
-        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
-    return np.concatenate(found) if found else np.zeros(0)
-
-
-def _worst(cosines: np.ndarray) -> float:
-    """The lowest of row cosines; 1.0 when there is none (no float output)."""
-    return float(min(cosines, default=1.0))
-
-
-def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
-    return _worst(row_cosines(reference, outputs))
-
-
-def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
-    return float(max(row_rel_l2(reference, outputs), default=0.0))
-
-
-def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s graph inputs."""
+def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Calibration inputs from an ``.npz`` file (graphs.load_feeds) or a dict, checked against ``model``'s inputs."""
     if isinstance(source, Mapping):
         feeds, where = {k: np.asarray(v) for k, v in source.items()}, "feeds"
     else:
-        where = str(source)
-        try:
-            with np.load(source, allow_pickle=False) as data:
-                feeds = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: not a readable .npz of input arrays ({e})") from e
+        feeds, where = load_feeds(source), str(source)
     initializers = {t.name for t in model.graph.initializer}
     needed = [i.name for i in model.graph.input if i.name not in initializers]
     missing = [n for n in needed if n not in feeds]
@@ -115,89 +60,6 @@ def load_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dic
     if missing or unknown:
         raise ValueError(f"{where}: model inputs {needed}; missing {missing}, not inputs of the model {unknown}")
     return feeds
-
-
-def _session(model: onnx.ModelProto, options: ort.SessionOptions) -> ort.InferenceSession:
-    if model.ByteSize() < _IN_MEMORY_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    # Saving with external data moves the tensors out of the proto it is given: save a copy,
-    # the caller's model (the user's, in export_mixed) must stay whole.
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    with tempfile.TemporaryDirectory(prefix="cim_int4_") as tmp:
-        path = Path(tmp) / "model.onnx"
-        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data", convert_attribute=True)
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-@dataclass(frozen=True)
-class LayerSensitivity:
-    """One candidate layer: its output cosine when only it is INT4, and whether it stayed FP32."""
-
-    name: str
-    weight_bytes: int
-    cosine_alone: float
-    kept: bool
-
-
-@dataclass(frozen=True)
-class RuleChoice:
-    """What scale rule ``auto`` chose: per rule, the mean output cosine over the calibration rows, all layers INT4."""
-
-    cosine: dict[str, float]
-
-    @property
-    def chosen(self) -> str:
-        """The rule with the best cosine; on a tie the first of AUTO_CHOICES (balanced)."""
-        return max(AUTO_CHOICES, key=lambda rule: self.cosine[rule])
-
-
-@dataclass
-class MixedPrecision:
-    """What the sensitivity analysis decided: layers by damage, target, cosine reached, runs used."""
-
-    target_cosine: float
-    layers: list[LayerSensitivity] = field(default_factory=list)
-    cosine_all_int4: float | None = None
-    cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
-    cosine_exported: float | None = None  # the exported model, CimInt4MatMul
-    runs: int = 0
-    rule_choice: RuleChoice | None = None  # scale rule "auto" only
-
-    @property
-    def int4_share(self) -> float:
-        """Fraction of the candidate layers' FP32 weight bytes that are INT4 in the export."""
-        total = sum(x.weight_bytes for x in self.layers)
-        return sum(x.weight_bytes for x in self.layers if not x.kept) / total if total else 0.0
-
-    def format(self) -> str:
-        """Lines for the export summary."""
-        kept = [x for x in self.layers if x.kept]
-        if self.target_cosine == 0.0:
-            head = "  calibration inputs: target cosine 0, so no layer kept in FP32"
-        else:
-            head = (
-                f"  mixed precision: target output cosine {self.target_cosine} on the calibration inputs; "
-                f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
-            )
-        lines = [f"{head} ({self.runs} model runs)"]
-        if self.rule_choice is not None:
-            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
-            lines.append(f"    scale rule auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
-        if self.cosine_all_int4 is not None:
-            lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
-        lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
-        if self.cosine_exported is not None:
-            lines.append(f"    exported model run with CimInt4MatMul: cosine {self.cosine_exported:.6f}")
-            if self.cosine_exported < self.target_cosine:
-                # The analysis models the weights only; int8 activations add their own error.
-                lines.append(
-                    "    below the target: the compute mode adds error the analysis does not model; "
-                    "raise --target-cosine or export with --compute fp32"
-                )
-        total = sum(x.weight_bytes for x in self.layers)
-        lines.append(f"    int4 share of weight bytes: {self.int4_share:.1%} of {total:,} quantizable FP32 bytes")
-        return "\n".join(lines)
 
 
 def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
@@ -208,9 +70,10 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 
 
 def plan(
-    model: onnx.ModelProto, feeds: Feeds, target_cosine: float, options: ExportOptions
+    model: onnx.ModelProto, feeds: Feeds, options: ExportOptions
 ) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
     """Which candidate layers to keep FP32 (key -> reason), every candidate's INT4 weight, and the report."""
+    target_cosine = options.target_cosine
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     probe, candidates = probe_model(model, options)
@@ -219,7 +82,7 @@ def plan(
         return {}, {}, report
     quiet = ort.SessionOptions()
     quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-    session = _session(probe, quiet)
+    session = proto_session(probe, quiet)
 
     def quantize_all(rule: str) -> dict[str, QuantizedWeight]:
         return {c.key: quantize_weight(c.w, options.group_size, rule) for c in candidates}
@@ -234,7 +97,7 @@ def plan(
         return row_cosines(reference, session.run(None, {**feeds, **int4}))
 
     def run(int4_layers: Sequence[int]) -> float:
-        return _worst(cosines(int4_layers, quantized))
+        return worst(cosines(int4_layers, quantized))
 
     reference = session.run(None, dict(feeds))
     report.runs += 1
@@ -245,7 +108,7 @@ def plan(
         rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
         report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
         quantized = tried[report.rule_choice.chosen]
-        cosine_at[0] = _worst(rows[report.rule_choice.chosen])
+        cosine_at[0] = worst(rows[report.rule_choice.chosen])
     else:
         quantized = quantize_all(options.scale_rule)
     if target_cosine == 0.0:
@@ -286,19 +149,19 @@ def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
     return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
-def export_mixed(
-    model: onnx.ModelProto, feeds: str | os.PathLike | Feeds, target_cosine: float, options: ExportOptions
-) -> tuple[onnx.ModelProto, ExportSummary]:
-    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach ``target_cosine`` on ``feeds``."""
-    feeds = load_feeds(feeds, model)
-    keep, quantized, report = plan(model, feeds, target_cosine, options)
+def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, ExportSummary]:
+    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
+    if options.feeds is None:
+        raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
+    feeds = calibration_feeds(options.feeds, model)
+    keep, quantized, report = plan(model, feeds, options)
     out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
     summary.mixed_precision = report
     if report.rule_choice is not None:
         summary.scale_rule = f"auto: {report.rule_choice.chosen}"
     if summary.rewritten:
-        fp32 = _session(model, session_options(pin=False))
-        int4 = _session(out, session_options(pin=False))
+        fp32 = proto_session(model, session_options(pin=False))
+        int4 = proto_session(out, session_options(pin=False))
         report.cosine_exported = worst_cosine(fp32.run(None, dict(feeds)), int4.run(None, dict(feeds)))
     return out, summary
 
@@ -310,10 +173,6 @@ __all__ = [
     "RuleChoice",
     "choose_rule",
     "export_mixed",
-    "load_feeds",
+    "calibration_feeds",
     "plan",
-    "row_cosines",
-    "row_rel_l2",
-    "worst_cosine",
-    "worst_rel_l2",
 ]

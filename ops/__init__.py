@@ -1,7 +1,7 @@
 """The op library (path, sessions) and the NumPy reference of CimInt4MatMul."""
 
+from ..contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .library import library_path
-from .names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from .session import make_session, physical_cores, session_options, thread_affinities
 
 __all__ = [

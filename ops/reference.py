@@ -1,7 +1,7 @@
 """NumPy reference of the `CimInt4MatMul` op: the oracle for every kernel and compute mode.
 
-It reads the attribute format documented in ``cim_int4.exporter.quantize`` and is
-written independently of the exporter's packer, so a round-trip test checks both.
+It reads the attribute format of ``cim_int4.contract`` (docs/contract.md); the byte order
+itself is pinned by tests that spell out bytes, not by a round trip.
 
 Two levels:
 
@@ -27,17 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-COMPUTE_MODES = ("fp32", "int8")
+from ..contract import COMPUTE_MODES, check_compute, unpack
 
-
-def unpack(packed: np.ndarray) -> np.ndarray:
-    """Codes of ``packed`` uint8 [N, B] as int8 q [N, 2*B] in -8..7 (byte b: k=2b low nibble, k=2b+1 high)."""
-    packed = np.asarray(packed, dtype=np.uint8)
-    n, nbytes = packed.shape
-    out = np.empty((n, nbytes * 2), dtype=np.int8)
-    out[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
-    out[:, 1::2] = (packed >> 4).astype(np.int8) - 8
-    return out
+__all__ = ["COMPUTE_MODES", "dequantize", "emulate", "error_bound", "matmul", "quantize_activations", "unpack"]
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, k: int, group_size: int) -> np.ndarray:
@@ -124,8 +116,7 @@ def emulate(
     compute: str = "fp32",
 ) -> np.ndarray:
     """float32 ``a @ W (+ bias)`` with exactly the arithmetic of compute mode ``compute`` (see the module doc)."""
-    if compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+    check_compute(compute)
     a = np.asarray(a, dtype=np.float32)
     lead = a.shape[:-1]
     codes = (unpack(packed).astype(np.int32) + 8)  # [N, K_padded]

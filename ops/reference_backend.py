@@ -20,12 +20,8 @@ with three limits that shape this module:
 from __future__ import annotations
 
 import functools
+import os
 import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,15 +30,12 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from ..exporter.api import load_model
-from ..exporter.io import EXTERNAL_DATA_THRESHOLD
-from ..exporter.quantize import SUPPORTED_GROUP_SIZES
+from ..contract import COMPUTE_CONFIG, OP_DOMAIN, Int4Node, check_compute, is_op_node
 from . import reference
-from .names import OP_DOMAIN, OP_TYPE
+from .ort_model import proto_session
 
 REFERENCE_DOMAIN = "ai.onnx.contrib"  # the only domain onnxruntime-extensions serves Python ops from
 REFERENCE_OP = "CimInt4MatMulReference"
-COMPUTE_CONFIG_KEY = "cim_int4.compute"
 EXTRA = "cim-int4[reference]"
 
 if TYPE_CHECKING:
@@ -51,96 +44,6 @@ if TYPE_CHECKING:
 
 class ReferenceBackendUnavailable(ImportError):
     """onnxruntime-extensions is not installed; the message says which extra to install."""
-
-
-@dataclass(frozen=True)
-class NodeWeights:
-    """One CimInt4MatMul node's checked attributes, as NumPy arrays."""
-
-    node: str
-    k: int
-    n: int
-    group_size: int
-    packed: np.ndarray
-    scales: np.ndarray
-    bias: np.ndarray | None
-    compute: str
-
-
-def is_cim_node(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a CimInt4MatMul of the op library's domain."""
-    return node.op_type == OP_TYPE and node.domain == OP_DOMAIN
-
-
-def _attribute_values(node: onnx.NodeProto, where: str) -> dict[str, object]:
-    values: dict[str, object] = {}
-    for attr in node.attribute:
-        try:
-            values[attr.name] = helper.get_attribute_value(attr)
-        except Exception as e:  # noqa: BLE001 - onnx raises several types for unreadable attributes
-            raise ValueError(f"{where}attribute '{attr.name}' cannot be read ({e})") from None
-    return values
-
-
-def _int_attribute(values: dict[str, object], name: str, where: str, default: int | None = None) -> int:
-    value = values.get(name, default)
-    if value is None or not isinstance(value, int):
-        raise ValueError(f"{where}attribute '{name}' is missing or not an int")
-    return value
-
-
-def _tensor_attribute(
-    values: dict[str, object], name: str, where: str, dtype: type, shape: tuple[int, ...]
-) -> np.ndarray:
-    expected = f"{np.dtype(dtype).name} tensor {list(shape)}"
-    value = values.get(name)
-    if not isinstance(value, onnx.TensorProto):
-        raise ValueError(f"{where}attribute '{name}' is missing or not a tensor (expected {expected})")
-    try:
-        array = numpy_helper.to_array(value)
-    except Exception as e:  # noqa: BLE001 - e.g. external data that was not loaded
-        raise ValueError(f"{where}attribute '{name}' cannot be read ({e})") from None
-    if array.dtype != dtype:
-        raise ValueError(f"{where}attribute '{name}' has element type {array.dtype}, expected {expected}")
-    if array.shape != shape:
-        raise ValueError(f"{where}attribute '{name}' has shape {list(array.shape)}, expected {expected}")
-    return array
-
-
-def node_weights(node: onnx.NodeProto) -> NodeWeights:
-    """Read and check a CimInt4MatMul node's attributes as the op library does; ValueError names node and attribute."""
-    where = f"{OP_TYPE} node '{node.name}': "
-    if len(node.input) != 1 or len(node.output) != 1:
-        raise ValueError(f"{where}has {len(node.input)} inputs and {len(node.output)} outputs, expected 1 and 1")
-    values = _attribute_values(node, where)
-    k = _int_attribute(values, "K", where)
-    n = _int_attribute(values, "N", where)
-    group_size = _int_attribute(values, "group_size", where, default=32)
-    for name, value in (("K", k), ("N", n)):
-        if value < 1:
-            raise ValueError(f"{where}attribute '{name}' is {value}, expected >= 1")
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"{where}attribute 'group_size' is {group_size}, expected one of {SUPPORTED_GROUP_SIZES}")
-    compute = values.get("compute", b"fp32")
-    compute = compute.decode() if isinstance(compute, bytes) else compute
-    if compute not in reference.COMPUTE_MODES:
-        raise ValueError(f"{where}attribute 'compute' is {compute!r}, expected one of {reference.COMPUTE_MODES}")
-    groups = -(-k // group_size)
-    packed = _tensor_attribute(values, "packed", where, np.uint8, (n, groups * group_size // 2))
-    scales = _tensor_attribute(values, "scales", where, np.float32, (n, groups))
-    bias = _tensor_attribute(values, "bias", where, np.float32, (n,)) if "bias" in values else None
-    padding = reference.unpack(packed)[:, k:]
-    if np.any(padding != 0):
-        row, col = np.argwhere(padding != 0)[0]
-        raise ValueError(f"{where}attribute 'packed': padding code at row {row}, k={k + col} is not 8")
-    with np.errstate(over="ignore", invalid="ignore"):
-        bad = ~np.isfinite(np.float32(8) * np.abs(scales))
-    if np.any(bad):
-        row, col = np.argwhere(bad)[0]
-        raise ValueError(f"{where}attribute 'scales': [{row}, {col}] is not finite with 8*|scale| finite")
-    if bias is not None and not np.all(np.isfinite(bias)):
-        raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
-    return NodeWeights(node.name, k, n, group_size, packed, scales, bias, compute)
 
 
 def run_node(
@@ -203,18 +106,14 @@ def extensions_library() -> str:
 def compute_override(so: ort.SessionOptions) -> str | None:
     """The session's ``cim_int4.compute`` config entry, or None; ValueError if it is not a compute mode."""
     try:
-        value = so.get_session_config_entry(COMPUTE_CONFIG_KEY)
+        value = so.get_session_config_entry(COMPUTE_CONFIG)
     except RuntimeError:  # ORT's way of saying the entry is not set
         return None
-    if value not in reference.COMPUTE_MODES:
-        raise ValueError(
-            f"session config '{COMPUTE_CONFIG_KEY}' is {value!r}, expected one of {reference.COMPUTE_MODES}"
-        )
-    return value
+    return check_compute(value, f"session config '{COMPUTE_CONFIG}'")
 
 
 def load_source(model: ModelSource) -> onnx.ModelProto:
-    """``model`` as a ModelProto with its external data loaded (a path is read with load_model's errors)."""
+    """``model`` as a ModelProto with its external data loaded; ValueError names an unreadable path."""
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, bytes):
@@ -222,13 +121,17 @@ def load_source(model: ModelSource) -> onnx.ModelProto:
             return onnx.load_model_from_string(model)
         except DecodeError as e:
             raise ValueError(f"the model bytes are not a readable ONNX model ({e})") from None
-    return load_model(model)
+    try:
+        return onnx.load_model(os.fspath(model))
+    except (OSError, DecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        raise ValueError(f"{os.fspath(model)}: cannot read an ONNX model ({why})") from None
 
 
 def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose CimInt4MatMul nodes run the reference op (``compute`` overrides each node's mode)."""
-    if compute is not None and compute not in reference.COMPUTE_MODES:
-        raise ValueError(f"compute must be one of {reference.COMPUTE_MODES}, got {compute!r}")
+    if compute is not None:
+        check_compute(compute)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -246,10 +149,10 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
     nodes: list[onnx.NodeProto] = []
     shape_checks: dict[int, str] = {}  # K -> name of its empty [K, 0] initializer
     for node in graph.node:
-        if not is_cim_node(node):
+        if not is_op_node(node):
             nodes.append(node)
             continue
-        w = node_weights(node)
+        w = Int4Node.from_node(node)
         prefix = f"{node.name or node.output[0]}.reference"
         if w.k not in shape_checks:
             shape_checks[w.k] = fresh(f"cim_int4.reference.empty_{w.k}x0")
@@ -282,24 +185,7 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
     return out
 
 
-@contextmanager
-def _ort_source(model: onnx.ModelProto) -> Iterator[bytes | str]:
-    # Protobuf cannot serialise 2 GiB: a large model goes through a temporary file with its
-    # tensors in external data, which ORT has read by the time the session exists.
-    size = sum(t.ByteSize() for t in model.graph.initializer)
-    if size <= EXTERNAL_DATA_THRESHOLD:
-        yield model.SerializeToString()
-        return
-    with tempfile.TemporaryDirectory(prefix="cim-int4-reference-") as folder:
-        path = Path(folder) / "model.onnx"
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data")
-        yield str(path)
-
-
 def reference_session(model: ModelSource, so: ort.SessionOptions) -> ort.InferenceSession:
     """An InferenceSession running ``model`` on the reference op; ``so`` must register ``extensions_library()``."""
     rewritten = reference_model(load_source(model), compute_override(so))
-    with _ort_source(rewritten) as source:
-        return ort.InferenceSession(source, sess_options=so, providers=["CPUExecutionProvider"])
+    return proto_session(rewritten, so)

@@ -11,20 +11,18 @@ from typing import Any, Literal
 import onnx
 import onnxruntime as ort
 
+from ..contract import COMPUTE_CONFIG, check_compute
 from .library import library_path
-from .names import COMPUTE_CONFIG
-from .reference import COMPUTE_MODES
+from .ort_model import ort_source
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 Pin = bool | Literal["run", "pool", "none"]
 
 PIN_MODES = ("run", "pool", "none")
-# Measured on a 4096x4096 chain at M=1 (README, make_session): pinning only ORT's pool threads
+# Measured on a 4096x4096 chain at M=1 (docs/guide.md, make_session): pinning only ORT's pool threads
 # was as fast or faster than also pinning the caller during each run, most of all on a busy machine.
 DEFAULT_PIN = "pool"
 BACKENDS = ("native", "reference")
-
-
 def _allowed_cpus() -> tuple[int, ...]:
     # Read each time (no cache): a process that moved itself must not be pinned back.
     return tuple(sorted(os.sched_getaffinity(0)))
@@ -105,8 +103,8 @@ def session_options(
     the op library's ``cim_int4.compute`` entry.
     """
     mode = _pin_mode(pin)
-    if compute is not None and compute not in COMPUTE_MODES:
-        raise ValueError(f"compute must be None or one of {COMPUTE_MODES}, got {compute!r}")
+    if compute is not None:
+        check_compute(compute)
     cores = physical_cores()
     n = resolve_threads(threads, cores, oversubscribe)
     so = ort.SessionOptions()
@@ -176,7 +174,7 @@ def make_session(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     reference = backend == "reference"
-    # Imported here: reference_backend reads the exporter's constants, and the exporter imports this package.
+    # Imported here: the reference backend's module is only needed with backend="reference".
     from .reference_backend import extensions_library, reference_session
 
     library = extensions_library() if reference else None
@@ -184,11 +182,14 @@ def make_session(
     if reference:
         return reference_session(model, so)
     if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    elif not isinstance(model, bytes):
-        model = os.fspath(model)
+        with ort_source(model) as source:
+            return _session(source, so, pin)
+    return _session(model if isinstance(model, bytes) else os.fspath(model), so, pin)
+
+
+def _session(source: bytes | str, so: ort.SessionOptions, pin: Pin) -> ort.InferenceSession:
     providers = ["CPUExecutionProvider"]
     if _pin_mode(pin) == "run":
         cpus, _ = thread_affinities(so.intra_op_num_threads, physical_cores())
-        return PinnedRunSession(model, sess_options=so, providers=providers, caller_cpu=cpus[0])
-    return ort.InferenceSession(model, sess_options=so, providers=providers)
+        return PinnedRunSession(source, sess_options=so, providers=providers, caller_cpu=cpus[0])
+    return ort.InferenceSession(source, sess_options=so, providers=providers)

@@ -17,10 +17,10 @@ import pytest
 from cim_int4.exporter import QuantizedWeight, quantize_weight
 from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
+from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
 KERNEL_ENV = "CIM_INT4_KERNEL"
 # Unit roundoff of float32 (round to nearest).

@@ -10,9 +10,11 @@ from cim_int4.ops import reference
 from cim_int4.ops.library import library_path
 from conftest import KERNEL_ENV, U32, available_kernels, op_attributes, op_model, random_weight
 
+from cim_int4.contract import COMPUTE_CONFIG
+
 KERNELS = available_kernels()
 MODES = ("fp32", "int8")
-COMPUTE_KEY = "cim_int4.compute"
+COMPUTE_KEY = COMPUTE_CONFIG
 
 
 def session(model, threads: int = 1, config: dict[str, str] | None = None) -> ort.InferenceSession:
@@ -138,7 +140,7 @@ def test_bad_compute_values_are_refused_naming_them() -> None:
             session(op_model(op_attributes(qw), [["M", 64]]), config={COMPUTE_KEY: "fast"})
 
 
-# ---------------------------------------------------------------- extreme values (issue 9, defects 1-3)
+# ---------------------------------------------------------------- extreme values (huge, tiny and non-finite)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

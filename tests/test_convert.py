@@ -12,12 +12,12 @@ import pytest
 from cim_int4.exporter import ExportError, load_model, quantize_weight
 from cim_int4.exporter.convert import convert_with_summary
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE
 from conftest import U32, random_weight
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import from_matmulnbits, make_session
 from cim_int4.cli import main
+from cim_int4.contract import OP_DOMAIN, OP_TYPE
 
 # Two independent MatMuls, so each output's error bound is that of one layer; K = 80 is
 # not a multiple of the block, so padding is exercised too.

@@ -9,11 +9,11 @@ import onnx
 import pytest
 from cim_int4.graphs import LlamaConfig, llama_decoder, matmul_chain, mlp, random_input, single_matmul
 from cim_int4.ops import reference, reference_backend
-from cim_int4.ops.reference_backend import COMPUTE_CONFIG_KEY, is_cim_node
-from test_exporter import run_cli
+from test_cli import run_cli
 
 import cim_int4
 from cim_int4 import make_session
+from cim_int4.contract import COMPUTE_CONFIG, Int4Node, is_op_node
 from cim_int4.crosscheck import allowed_difference, crosscheck
 from cim_int4.layercheck import Model
 
@@ -35,7 +35,7 @@ def int4_and_feeds(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
 
 
 def cim_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if is_cim_node(n)]
+    return [n for n in model.graph.node if is_op_node(n)]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -43,7 +43,7 @@ def test_native_and_reference_agree_to_fp32_rounding(name: str) -> None:
     model, feeds = int4_and_feeds(name)
     report = crosscheck(model, feeds, threads=1)
     assert [layer.node for layer in report] == [n.name for n in cim_nodes(model)]
-    with_bias = [reference_backend.node_weights(n).bias is not None for n in cim_nodes(model)]
+    with_bias = [Int4Node.from_node(n).bias is not None for n in cim_nodes(model)]
     assert any(with_bias) == (name == "mlp")  # the Gemm's bias goes through the op
     for layer in report:
         assert layer.ok, layer.format()
@@ -59,11 +59,11 @@ def test_reference_backend_layers_are_the_emulation(name: str, compute: str) -> 
     nodes = cim_nodes(model)
     names = list(dict.fromkeys(t for n in nodes for t in (n.input[0], n.output[0]) if t not in feeds))
     sess = make_session(
-        Model(model, "INT4").with_outputs(names), threads=1, backend="reference", config={COMPUTE_CONFIG_KEY: compute}
+        Model(model, "INT4").with_outputs(names), threads=1, backend="reference", config={COMPUTE_CONFIG: compute}
     )
     values = {**feeds, **dict(zip(names, sess.run(names, feeds), strict=True))}
     for node in nodes:
-        w = reference_backend.node_weights(node)
+        w = Int4Node.from_node(node)
         expected = reference.emulate(values[node.input[0]], w.packed, w.scales, w.k, w.group_size, w.bias, compute)
         assert values[node.output[0]].tobytes() == expected.tobytes(), node.name
 
@@ -80,7 +80,7 @@ def test_allowed_difference_covers_what_an_input_difference_carries(compute: str
     # Two runs of the same arithmetic on inputs that differ by a few ulps in some groups stay
     # within the bound; where the inputs are equal the outputs are too.
     rng = np.random.default_rng(11)
-    w = reference_backend.node_weights(cim_nodes(int4_and_feeds("matmul")[0])[0])
+    w = Int4Node.from_node(cim_nodes(int4_and_feeds("matmul")[0])[0])
     a = rng.standard_normal((64, w.k), dtype=np.float32)
     b = a.copy()
     b[::2, 3:40] = np.nextafter(b[::2, 3:40], np.float32(np.inf))  # even rows: groups 0 and 1 differ

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import subprocess
@@ -16,9 +15,9 @@ import onnx
 import pytest
 from cim_int4.exporter import io as exporter_io
 from cim_int4.graphs import matmul_chain, mlp, random_input
-from cim_int4.ops.names import OP_TYPE
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
+from cim_int4.contract import OP_TYPE
 
 
 def sha256(path: Path) -> str:
@@ -101,7 +100,7 @@ def test_external_data_option_moves_every_weight_out_and_runs(
     tmp_path: Path, model: onnx.ModelProto, source: str
 ) -> None:
     # A small model (far under the 1 GiB threshold) still gets <output>.data on request, with
-    # every CimInt4MatMul tensor in it: what keeps ORT to one copy of the weights (README,
+    # every CimInt4MatMul tensor in it: what keeps ORT to one copy of the weights (docs/design.md,
     # "Session memory"). Loaded from the file, it computes what the one-file export does.
     src = tmp_path / "in.onnx"
     onnx.save(model, src)
@@ -120,20 +119,6 @@ def test_external_data_option_moves_every_weight_out_and_runs(
     x = random_input(model, {"batch": 3}, seed=5)
     expected = make_session(export_int4(model, quiet=True), threads=1).run(None, x)[0]
     np.testing.assert_array_equal(make_session(str(out), threads=1).run(None, x)[0], expected)
-
-
-def test_write_model_gives_the_bytes_of_serialize_to_string() -> None:
-    # The exporter writes a one-file output node by node, not as one serialized copy of the model.
-    from cim_int4.graphs import LlamaConfig, llama_decoder
-
-    model = llama_decoder(LlamaConfig(hidden=64, intermediate=128, layers=1, heads=2))
-    model.doc_string = "model doc"
-    model.graph.doc_string = "graph doc"
-    model.metadata_props.add(key="k", value="v")
-    model.graph.value_info.add(name="extra")
-    buf = io.BytesIO()
-    exporter_io.write_model(buf, model)
-    assert buf.getvalue() == model.SerializeToString()
 
 
 # ---------------------------------------------------------------- bad external data: one-line errors

@@ -1,4 +1,4 @@
-"""The exporter end to end: graph rewrite, accuracy against FP32, file handling, options, skip reasons, CLI."""
+"""The exporter end to end: graph rewrite, accuracy against FP32, file handling, options, skip reasons."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from cim_int4.exporter import DEFAULT_COMPUTE, SCALE_RULES, export_with_summary,
 from cim_int4.exporter.api import max_ir_version
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from cim_int4.ops import reference
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import dequantized_model
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
+from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
 LLAMA = LlamaConfig(hidden=128, intermediate=256, layers=2, heads=4)
 LLAMA_PROJECTIONS = [
@@ -423,92 +423,6 @@ def test_input_model_proto_is_not_mutated(mlp_model: onnx.ModelProto) -> None:
     assert mlp_model.SerializeToString() == before
 
 
-# ---------------------------------------------------------------- CLI
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    cli = pytest.importorskip("cim_int4.cli")
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse and sys.exit paths
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture
-def mlp_file(tmp_path: Path, mlp_model: onnx.ModelProto) -> Path:
-    path = tmp_path / "model.onnx"
-    onnx.save(mlp_model, path)
-    return path
-
-
-def test_cli_export(mlp_file: Path, capsys) -> None:
-    out = mlp_file.with_name("out.onnx")
-    code, _, _ = run_cli(["export", str(mlp_file), "-o", str(out)], capsys)
-    assert code == 0
-    q = onnx.load(out)
-    assert [n.name for n in q.graph.node if n.op_type == OP_TYPE] == ["fc0", "fc1", "fc2"]
-    assert attributes(nodes_by_name(q)["fc0"])["group_size"] == 32
-
-
-def test_cli_options(mlp_file: Path, capsys) -> None:
-    out = mlp_file.with_name("out.onnx")
-    argv = ["export", str(mlp_file), "-o", str(out), "--group-size", "64", "--exclude", "fc0", "--min-size", "100000"]
-    code, _, _ = run_cli(argv, capsys)
-    assert code == 0
-    ops = nodes_by_name(onnx.load(out))
-    # fc0 excluded, fc2 (65536 elements) under min-size: only fc1 is quantized.
-    assert [n for n, node in ops.items() if node.op_type == OP_TYPE] == ["fc1"]
-    assert attributes(ops["fc1"])["group_size"] == 64
-
-
-@pytest.mark.parametrize(
-    "exclude",
-    [
-        pytest.param(["--exclude", "fc0", r"fc[2]"], id="one flag, two values"),
-        pytest.param(
-            ["--exclude", "fc0", "--exclude", r"fc[2]"],
-            id="repeated flag",
-        ),
-    ],
-)
-def test_cli_exclude_several_names_and_regex(exclude: list[str], mlp_file: Path, capsys) -> None:
-    out = mlp_file.with_name("out.onnx")
-    code, _, _ = run_cli(["export", str(mlp_file), "-o", str(out), *exclude], capsys)
-    assert code == 0
-    assert [n.name for n in onnx.load(out).graph.node if n.op_type == OP_TYPE] == ["fc1"]
-
-
-def test_cli_bad_file(tmp_path: Path, capsys) -> None:
-    bad = tmp_path / "bad.onnx"
-    bad.write_bytes(b"this is not an onnx model\n")
-    code, _, err = run_cli(["export", str(bad), "-o", str(tmp_path / "out.onnx")], capsys)
-    assert code != 0 and str(bad) in err
-    assert not (tmp_path / "out.onnx").exists()
-
-
-def test_cli_missing_file(tmp_path: Path, capsys) -> None:
-    missing = tmp_path / "missing.onnx"
-    code, _, err = run_cli(["export", str(missing), "-o", str(tmp_path / "out.onnx")], capsys)
-    assert code != 0 and str(missing) in err
-
-
-def test_cli_nothing_to_quantize(tmp_path: Path, capsys) -> None:
-    path = tmp_path / "dynamic.onnx"
-    onnx.save(matmuls_model({"dynamic": None}), path)
-    code, _, err = run_cli(["export", str(path), "-o", str(tmp_path / "out.onnx")], capsys)
-    assert code != 0 and "nothing to quantize" in err
-    assert not (tmp_path / "out.onnx").exists()
-
-
-def test_cli_refuses_output_equal_to_input(mlp_file: Path, capsys) -> None:
-    before = sha256(mlp_file)
-    code, _, err = run_cli(["export", str(mlp_file), "-o", str(mlp_file)], capsys)
-    assert code != 0 and "input" in err
-    assert sha256(mlp_file) == before
-
-
 def test_large_model_goes_to_external_data_and_runs(
     tmp_path: Path, mlp_model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -566,23 +480,6 @@ def test_absent_compute_attribute_means_fp32_in_the_reference(rng: np.random.Gen
     default = reference.emulate(a, qw.packed, qw.scales, 64, 32)
     np.testing.assert_array_equal(default, reference.emulate(a, qw.packed, qw.scales, 64, 32, compute="fp32"))
     assert not np.array_equal(default, reference.emulate(a, qw.packed, qw.scales, 64, 32, compute="int8"))
-
-
-def test_cli_scale_rule_and_compute(mlp_file: Path, capsys) -> None:
-    out = mlp_file.with_name("out.onnx")
-    code, stdout, _ = run_cli(
-        ["export", str(mlp_file), "-o", str(out), "--scale-rule", "signed", "--compute", "int8"], capsys
-    )
-    assert code == 0 and "scale rule signed, compute int8" in stdout
-    node = nodes_by_name(onnx.load(out))["fc0"]
-    assert attributes(node)["compute"] == b"int8"
-    w = numpy_helper.to_array(next(t for t in onnx.load(mlp_file).graph.initializer if t.name == "fc0.weight"))
-    np.testing.assert_array_equal(
-        numpy_helper.to_array(attributes(node)["scales"]), quantize_weight(w, 32, "signed").scales
-    )
-    for bad in (["--scale-rule", "median"], ["--compute", "fp16"]):
-        code, _, err = run_cli(["export", str(mlp_file), "-o", str(out), *bad], capsys)
-        assert code == 2 and "invalid choice" in err
 
 
 def test_old_files_without_compute_attribute_run_the_same(mlp_model: onnx.ModelProto) -> None:

@@ -12,10 +12,10 @@ import onnx
 import pytest
 from cim_int4.exporter import DEFAULT_COMPUTE, ExportError
 from cim_int4.ops.library import LIBRARY_NAME
-from cim_int4.ops.names import OP_TYPE
 
 from cim_int4 import library_path
 from cim_int4.cli import main
+from cim_int4.contract import OP_TYPE
 from cim_int4.genai import CONFIG_NAME, OPTION, default_output, prepare
 from cim_int4.genai_bench import agreement, greedy, load, logits_along, with_accuracy_level
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import onnx
 import pytest
 from cim_int4.graphs import matmul_chain
-from cim_int4.ops.names import OP_TYPE
 from onnx import helper, numpy_helper
 
 from cim_int4 import export_int4
+from cim_int4.contract import OP_TYPE
 
 SESSION_RSS = """
 import sys
@@ -75,14 +75,14 @@ def test_session_rss_over_int4_weight_bytes(rss_ratio: float) -> None:
     # With the weights inline, ORT keeps two copies of every tensor attribute: the ModelProto
     # it parsed (Model::model_proto_, never cleared) and the Node's attribute map (copied
     # from it by Graph::AddNode). The library adds exactly one repacked copy and frees ORT's
-    # temporary ones (README, "Session memory").
+    # temporary ones (docs/design.md, "Session memory").
     assert rss_ratio <= 3.3, f"session RSS grew by {rss_ratio:.2f}x its INT4 weight bytes"
 
 
 def test_external_data_session_holds_two_copies(tmp_path: Path) -> None:
     # With the tensors in <model>.data the parsed ModelProto holds no weight bytes; ORT reads
-    # them into the Node's attributes once, and the library adds its repacked copy: issue 6's
-    # target of 2.1x. A third copy (the proto's, or one the library kept) would be 3x.
+    # them into the Node's attributes once, and the library adds its repacked copy: the
+    # 2.1x this layout is designed for. A third copy (the proto's, or one the library kept) would be 3x.
     ratio = session_rss_ratio(tmp_path, external_data=True)
     assert 1.9 <= ratio <= 2.1, f"session RSS grew by {ratio:.2f}x its INT4 weight bytes"
 
@@ -119,7 +119,7 @@ print(rss() - before)
 
 
 def test_registering_the_library_again_and_again_keeps_no_memory() -> None:
-    # Issue 9, defect 11: each RegisterCustomOps call used to create a domain object that
+    # A leak once found: each RegisterCustomOps call created a domain object that
     # lived as long as the library stayed loaded (~100 bytes each: 3 MB for 30,000 calls).
     # One domain now serves every call, and goes when the library is unloaded.
     calls = 30_000

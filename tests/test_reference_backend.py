@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cim_int4.ops import reference, reference_backend
+from cim_int4.ops import ort_model, reference, reference_backend
 from cim_int4.ops.reference_backend import (
-    COMPUTE_CONFIG_KEY,
+    COMPUTE_CONFIG,
     REFERENCE_DOMAIN,
     REFERENCE_OP,
     ReferenceBackendUnavailable,
@@ -20,6 +20,7 @@ from conftest import op_attributes, op_model, quantized
 from test_op import _bad_attribute_cases
 
 from cim_int4 import make_session
+from cim_int4.contract import is_op_node
 
 pytest.importorskip("onnxruntime_extensions")
 
@@ -66,14 +67,14 @@ def test_session_config_overrides_the_node_mode(node_mode: str, override: str) -
     qw = quantized(128, 16)
     a = np.random.default_rng(1).standard_normal((4, 128), dtype=np.float32)
     model = op_model(op_attributes(qw, compute=node_mode), [None])
-    y = run(model, a, config={COMPUTE_CONFIG_KEY: override})
+    y = run(model, a, config={COMPUTE_CONFIG: override})
     assert y.tobytes() == reference.emulate(a, qw.packed, qw.scales, 128, 32, compute=override).tobytes()
 
 
 def test_bad_compute_override_is_refused_naming_the_entry() -> None:
-    with pytest.raises(ValueError, match=f"'{COMPUTE_CONFIG_KEY}' is 'int4'"):
+    with pytest.raises(ValueError, match=f"'{COMPUTE_CONFIG}' must be one of .*, got 'int4'"):
         make_session(
-            op_model(op_attributes(quantized(64, 4)), [None]), backend="reference", config={COMPUTE_CONFIG_KEY: "int4"}
+            op_model(op_attributes(quantized(64, 4)), [None]), backend="reference", config={COMPUTE_CONFIG: "int4"}
         )
 
 
@@ -143,7 +144,7 @@ def test_rewrite_keeps_everything_but_the_op() -> None:
     rewritten = reference_model(model)
     assert model.SerializeToString() == before
     ours = [n for n in rewritten.graph.node if n.op_type == REFERENCE_OP and n.domain == REFERENCE_DOMAIN]
-    cims = [n for n in model.graph.node if reference_backend.is_cim_node(n)]
+    cims = [n for n in model.graph.node if is_op_node(n)]
     assert len(cims) == 3 and [(n.name, n.input[0], n.output) for n in ours] == [
         (n.name, n.input[0], n.output) for n in cims
     ]
@@ -171,7 +172,7 @@ def test_external_data_model_runs(tmp_path: Path, monkeypatch) -> None:
     expected = reference.emulate(a, qw.packed, qw.scales, 256, 32, np.ones(40, np.float32))
     assert run(path, a).tobytes() == expected.tobytes()
     # A rewritten model too large for one protobuf goes to ORT through a temporary file.
-    monkeypatch.setattr(reference_backend, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(ort_model, "IN_MEMORY_LIMIT", 0)
     assert run(str(path), a).tobytes() == expected.tobytes()
     assert run(model.SerializeToString(), a).tobytes() == expected.tobytes()
 

@@ -13,12 +13,12 @@ import onnxruntime as ort
 import pytest
 from cim_int4.exporter import export_with_summary, quantize_weight
 from cim_int4.exporter.subgraph import all_graphs
-from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
 from conftest import check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import from_matmulnbits, make_session
 from cim_int4.bench import quantize_nbits
+from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 from cim_int4.validate import compare
 
 K, N, M = 64, 48, 3

@@ -16,12 +16,11 @@ import onnx
 import pytest
 from cim_int4.exporter import export_with_summary
 from cim_int4.exporter.fold import COMPUTED
-from cim_int4.ops.names import OP_TYPE
 from conftest import check, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import NothingToQuantize, make_session
-from cim_int4.cli import main as cli_main
+from cim_int4.contract import OP_TYPE
 
 K, N, M = 64, 48, 3
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -204,14 +203,3 @@ def test_simplify_failure_continues_unsimplified(failure: str, monkeypatch: pyte
     expected = "onnxsim is not installed" if failure == "missing" else "onnxsim failed (RuntimeError: no luck)"
     assert expected in summary.warnings[0] and "continuing unsimplified" in summary.warnings[0]
     assert "\n" not in summary.warnings[0]
-
-
-def test_cli_fold_and_simplify_flags(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    monkeypatch.setitem(sys.modules, "onnxsim", None)
-    src = tmp_path / "m.onnx"
-    onnx.save(input_initializer_model(), src)
-    assert cli_main(["export", str(src), "-o", str(tmp_path / "a.onnx"), "--simplify"]) == 0
-    out = capsys.readouterr().out
-    assert "warning: quantized 2 initializer(s) also listed as graph inputs" in out and "onnxsim" in out
-    assert cli_main(["export", str(src), "-o", str(tmp_path / "b.onnx"), "--no-fold-input-initializers"]) == 3
-    assert "also listed as a graph input" in capsys.readouterr().err

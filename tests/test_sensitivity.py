@@ -10,12 +10,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportError, export_with_summary
-from cim_int4.exporter.sensitivity import RuleChoice, choose_rule, load_feeds, row_cosines, worst_cosine, worst_rel_l2
+from cim_int4.exporter.sensitivity import RuleChoice, calibration_feeds, choose_rule
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
-from cim_int4.ops.names import OP_TYPE
 from onnx import numpy_helper
 
 from cim_int4 import make_session
+from cim_int4.contract import OP_TYPE
+from cim_int4.metrics import row_cosines, worst_cosine, worst_rel_l2
 
 # The decoder's planted 10x outlier columns make attention sharp: plain INT4 misses 0.99.
 LLAMA = LlamaConfig(hidden=128, intermediate=256, layers=2, heads=4)
@@ -138,14 +139,14 @@ def test_unreachable_target_is_an_error_naming_it(llama: onnx.ModelProto, calibr
 def test_feeds_from_npz_and_their_errors(tmp_path: Path, llama: onnx.ModelProto, calibration) -> None:
     path = tmp_path / "calib.npz"
     np.savez(path, **calibration)
-    loaded = load_feeds(path, llama)
+    loaded = calibration_feeds(path, llama)
     np.testing.assert_array_equal(loaded["hidden_states"], calibration["hidden_states"])
     np.savez(tmp_path / "wrong.npz", tokens=np.zeros(3))
     with pytest.raises(ValueError, match=r"wrong.npz: model inputs \['hidden_states'\]; missing \['hidden_states'\]"):
-        load_feeds(tmp_path / "wrong.npz", llama)
+        calibration_feeds(tmp_path / "wrong.npz", llama)
     (tmp_path / "text.npz").write_text("not a zip")
-    with pytest.raises(ValueError, match="text.npz: not a readable .npz"):
-        load_feeds(tmp_path / "text.npz", llama)
+    with pytest.raises(ValueError, match="text.npz: cannot read feeds"):
+        calibration_feeds(tmp_path / "text.npz", llama)
     with pytest.raises(ValueError, match="target_cosine must be in"):
         export_with_summary(llama, feeds=calibration, target_cosine=1.5)
 
@@ -186,10 +187,10 @@ def test_cli_target_without_feeds_is_an_error(tmp_path: Path, llama: onnx.ModelP
 
 def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, monkeypatch) -> None:
     # Above 1 GiB the probe and the check run from a temporary file; a tiny limit takes that path here.
-    import cim_int4.exporter.sensitivity as sensitivity
+    import cim_int4.ops.ort_model as ort_model
 
     _, in_memory = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
-    monkeypatch.setattr(sensitivity, "_IN_MEMORY_LIMIT", 1)
+    monkeypatch.setattr(ort_model, "IN_MEMORY_LIMIT", 1)
     before = llama.SerializeToString()
     _, from_files = export_with_summary(llama, feeds=calibration, target_cosine=TARGET)
     assert llama.SerializeToString() == before, "the caller's model keeps its weights inline"

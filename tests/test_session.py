@@ -14,11 +14,11 @@ import onnx
 import pytest
 from cim_int4.ops import physical_cores, session_options, thread_affinities
 from cim_int4.ops.library import LIBRARY_ENV
-from cim_int4.ops.names import COMPUTE_CONFIG
 from cim_int4.ops.session import PIN_MODES
 from conftest import op_attributes, op_model, quantized
 
 from cim_int4 import library_path, make_session
+from cim_int4.contract import COMPUTE_CONFIG
 
 # ---------------------------------------------------------------- thread_affinities
 

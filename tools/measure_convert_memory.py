@@ -1,4 +1,4 @@
-"""Peak RSS of `cim-int4 genai` and `cim-int4 convert` on an onnxruntime-genai folder (README: conversion memory).
+"""Peak RSS of `cim-int4 genai` and `cim-int4 convert` on an onnxruntime-genai folder (docs/guide.md: convert memory).
 
 Usage: .venv/bin/python tools/measure_convert_memory.py GENAI_FOLDER WORK_FOLDER [--keep]
 Runs each conversion in a fresh child process (genai on the folder; convert on its decoder

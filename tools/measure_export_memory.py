@@ -1,4 +1,4 @@
-"""Peak RSS of `export_int4` on a big FP32 chain saved with external data (README: bounded export memory).
+"""Peak RSS of `export_int4` on a big FP32 chain saved with external data (docs/guide.md: bounded export memory).
 
 Usage: .venv/bin/python tools/measure_export_memory.py FOLDER [--layers 32] [--dim 4096]
 Writes FOLDER/chain.onnx + chain.data (32 x 4096x4096 = 2 GiB), exports it in a child

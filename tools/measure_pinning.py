@@ -1,7 +1,7 @@
 """Interleaved M=1 latency of make_session's pin modes ("pool" vs "run") on a 4096x4096 chain; under a minute.
 
 Usage: .venv/bin/python tools/measure_pinning.py [--layers 8] [--runs 150]
-On a shared machine the numbers are indicative only (README, make_session).
+On a shared machine the numbers are indicative only (docs/guide.md, make_session).
 """
 
 from __future__ import annotations

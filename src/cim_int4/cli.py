@@ -3,43 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import NoReturn
 
+from .contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES
 from .exporter import (
-    DEFAULT_COMPUTE,
-    DEFAULT_GROUP_SIZE,
     DEFAULT_SCALE_RULE,
     SCALE_RULES,
-    SUPPORTED_GROUP_SIZES,
     ExportError,
+    ExportOptions,
     NothingToQuantize,
     export_int4,
 )
-from .exporter.sensitivity import DEFAULT_TARGET_COSINE
-from .ops.reference import COMPUTE_MODES
+from .exporter.options import DEFAULT_TARGET_COSINE
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 
 
-def _export(args: argparse.Namespace) -> int:
+def export_options(args: argparse.Namespace) -> ExportOptions:
+    """The ExportOptions of ``cim-int4 export``'s flags: each flag whose ``dest`` is a field name (None: default)."""
     if args.target_cosine is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
-    export_int4(
-        args.model,
-        args.output,
-        group_size=args.group_size,
-        exclude=args.exclude,
-        min_size=args.min_size,
-        scale_rule=args.scale_rule,
-        compute=args.compute,
-        feeds=args.feeds,
-        target_cosine=DEFAULT_TARGET_COSINE if args.target_cosine is None else args.target_cosine,
-        quiet=args.quiet,
-        fold_input_initializers=args.fold_input_initializers,
-        simplify=args.simplify,
-        external_data=args.external_data,
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
+    # None means "not given" except for fold_input_initializers, where None is a value (warn).
+    keep = {name: v for name, v in given.items() if v is not None or name == "fold_input_initializers"}
+    return ExportOptions(**keep)
+
+
+def _export(args: argparse.Namespace) -> int:
+    export_int4(args.model, args.output, export_options(args), quiet=args.quiet)
     return 0
 
 
@@ -141,7 +134,7 @@ def _add_external_data(p: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="keep the tensors in OUTPUT.data whatever the size: a session loaded from it holds 2x the int4 "
-        "weights instead of 3x (README 'Session memory'; default: only over 1 GiB)",
+        "weights instead of 3x (docs/design.md 'Session memory'; default: only over 1 GiB)",
     )
 
 
@@ -175,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
         help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; README 'Accuracy')",
+        "show it closer to FP32; docs/accuracy.md)",
     )
     p.add_argument(
         "--compute",

@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .contract import COMPUTE_CONFIG, Int4Node, is_op_node
 from .layercheck import Model
 from .ops import OP_TYPE, make_session, reference
-from .ops.reference_backend import COMPUTE_CONFIG_KEY, NodeWeights, is_cim_node, node_weights
 
 # Four FP32 ulps of a dot product's magnitude sum|a * w| (unit roundoff 2**-24).
 ULPS_OF_MAGNITUDE = 2.0**-22
@@ -62,7 +62,7 @@ class LayerAgreement:
 
 
 def allowed_difference(
-    w: NodeWeights, compute: str, a_native: np.ndarray, a_reference: np.ndarray, y: np.ndarray
+    w: Int4Node, compute: str, a_native: np.ndarray, a_reference: np.ndarray, y: np.ndarray
 ) -> np.ndarray:
     """Elementwise bound [M, N] on |native - reference| of one layer (see the module doc); ``y`` is either output."""
     k, g = w.k, w.group_size
@@ -107,7 +107,7 @@ def crosscheck(
 
     ``compute`` ("fp32" | "int8") overrides every node's mode on both backends.
     """
-    layers = [(node, node_weights(node)) for node in int4_model.graph.node if is_cim_node(node)]
+    layers = [(node, Int4Node.from_node(node)) for node in int4_model.graph.node if is_op_node(node)]
     if not layers:
         raise ValueError(f"the model has no {OP_TYPE} node to cross-check")
     inputs = {node.input[0] for node, _ in layers}
@@ -116,7 +116,7 @@ def crosscheck(
     names = [name for node, _ in layers for name in (node.input[0], node.output[0]) if name not in known]
     names = list(dict.fromkeys(names))
     model = Model(int4_model, "INT4").with_outputs(names)
-    config = {COMPUTE_CONFIG_KEY: compute} if compute else None
+    config = {COMPUTE_CONFIG: compute} if compute else None
     runs = {}
     for backend in ("native", "reference"):
         values = make_session(model, threads=threads, config=config, backend=backend).run(names, dict(feeds))

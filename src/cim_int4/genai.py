@@ -68,7 +68,7 @@ def _rewrite(path: Path, output: Path, compute: str, group_size: int) -> tuple[b
     except NothingToQuantize as e:
         return False, str(e)
     del model  # the quantized model is all that is needed now
-    # External data: ORT keeps one copy of the weights instead of two (README "Session memory");
+    # External data: ORT keeps one copy of the weights instead of two (docs/design.md "Session memory");
     # genai's ORT (>= 1.31) resolves it from the model's folder.
     save_model(quantized, output, external_data=True, consume=True)
     return True, summary.format()

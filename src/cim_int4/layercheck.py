@@ -25,10 +25,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .contract import COMPUTE_CONFIG, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, OP_DOMAIN, OP_TYPE, check_compute, is_op_node
 from .exporter.fold import DEFAULT_DOMAINS, Scope
 from .exporter.operands import Ineligible, plan_gemm, plan_matmul
-from .ops import OP_DOMAIN, OP_TYPE, make_session, reference
-from .ops.names import COMPUTE_CONFIG
+from .metrics import cosine as cosine_of
+from .ops import make_session, reference
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 U32 = 2.0**-24  # unit roundoff of float32
@@ -122,14 +123,15 @@ class Model:
 
 def is_int4(node: onnx.NodeProto) -> bool:
     """Whether ``node`` is a CimInt4MatMul."""
-    return node.op_type == OP_TYPE and node.domain == OP_DOMAIN
+    return is_op_node(node)
 
 
 def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, float, float]:
     """(rel L2, max |diff|, cosine, SNR dB) of ``int4`` against ``fp32``.
 
     Equal non-finite values (the -inf of an attention mask) count as no difference and
-    stay out of the norms; a non-finite value on one side only is an infinite difference.
+    stay out of the norms; a non-finite value on one side only is an infinite difference
+    (and a cosine of 0: ``cim_int4.metrics``' rule).
     """
     r, g = np.asarray(fp32, np.float64).ravel(), np.asarray(int4, np.float64).ravel()
     if r.shape != g.shape:
@@ -140,10 +142,9 @@ def tensor_error(fp32: np.ndarray, int4: np.ndarray) -> tuple[float, float, floa
         d = np.where(finite, g - r, np.where(equal, 0.0, np.inf))
     r, g = np.where(finite, r, 0.0), np.where(finite, g, 0.0)
     norm, diff = np.linalg.norm(r), np.linalg.norm(d)
-    denom = norm * np.linalg.norm(g)
     rel = float(diff / norm) if norm > 0 else float(diff)
     max_abs = float(np.max(np.abs(d))) if d.size else 0.0
-    cosine = float(r @ g / denom) if denom > 0 else (1.0 if diff == 0 else 0.0)
+    cosine = cosine_of(fp32, int4)
     snr = math.inf if diff == 0 else (20 * math.log10(norm / diff) if norm > 0 and math.isfinite(diff) else -math.inf)
     return rel, max_abs, cosine, snr
 
@@ -246,7 +247,7 @@ def check_layer(
     label = node.name or node.output[0]
     if compute is None:
         compute_attr = _attr(node, "compute")
-        compute = compute_attr.s.decode() if compute_attr is not None else "fp32"
+        compute = compute_attr.s.decode() if compute_attr is not None else DEFAULT_COMPUTE
     attrs = {}
     arrays: dict[str, np.ndarray] = {}
     for at in node.attribute:
@@ -266,9 +267,9 @@ def check_layer(
     try:
         session = make_session(one, threads=threads, config=compute_config(compute))
         (got,) = session.run(None, {"A": np.asarray(a, dtype=np.float32)})
-        k, g = int(_attr(node, "K").i), int(_attr(node, "group_size").i) if _attr(node, "group_size") else 32
-        if compute not in reference.COMPUTE_MODES:
-            raise ValueError(f"attribute compute={compute!r} is not one of {reference.COMPUTE_MODES}")
+        group = _attr(node, "group_size")
+        k, g = int(_attr(node, "K").i), int(group.i) if group else DEFAULT_GROUP_SIZE
+        check_compute(compute, "attribute compute")
         want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute)
     except Exception as e:  # noqa: BLE001 - any failure of the layer alone is this layer's verdict
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

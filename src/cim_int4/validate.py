@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .contract import check_compute
 from .crosscheck import LayerAgreement
 from .graphs import model_feeds
 from .layercheck import (
@@ -40,7 +41,7 @@ from .layercheck import (
     is_int4,
     tensor_error,
 )
-from .ops import make_session, reference, session_options
+from .ops import make_session, session_options
 from .report import plot_by_depth, text_table
 
 
@@ -301,8 +302,11 @@ def compare(
     """
     from .graphs import load_feeds
 
-    if compute is not None and compute not in reference.COMPUTE_MODES:
-        raise CompareError(f"compute must be one of {', '.join(reference.COMPUTE_MODES)}, got {compute!r}")
+    if compute is not None:
+        try:
+            check_compute(compute)
+        except ValueError as e:
+            raise CompareError(str(e)) from None
     fp32, int4 = Model(fp32_model, "FP32"), Model(int4_model, "INT4")
     _check_same_interface(fp32.proto, int4.proto)
     given = load_feeds(feeds) if isinstance(feeds, str | os.PathLike) else feeds

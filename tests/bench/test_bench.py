@@ -28,10 +28,10 @@ import onnx
 import pytest
 from cim_int4.graphs import random_input, single_matmul
 from cim_int4.ops import make_session
-from cim_int4.ops.names import OP_TYPE
 from onnx import numpy_helper
 
 from cim_int4 import bench
+from cim_int4.contract import OP_TYPE
 
 MODE_ENV = "CIM_INT4_BENCH"
 THREADS = bench.DEFAULT_THREADS

@@ -28,7 +28,7 @@ import numpy as np
 
 INT64_MAX = 2**63 - 1
 FLT_MAX = float(np.finfo(np.float32).max)
-GROUP_SIZES = (16, 32, 64, 128, 256)
+GROUP_SIZES = (16, 32, 64, 128, 256)  # the contract's (test_fuzz checks); no package import here
 U32 = 2.0**-24
 
 
@@ -238,8 +238,9 @@ def _node_attributes(attrs: dict) -> dict:
 
 
 def _model(case: Case):
-    from cim_int4.ops.names import OP_DOMAIN, OP_TYPE, OP_VERSION
     from onnx import TensorProto, helper
+
+    from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
     node = helper.make_node(OP_TYPE, ["A"], ["Y"], name="fuzz", domain=OP_DOMAIN, **_node_attributes(case.attrs))
     elem = helper.np_dtype_to_tensor_dtype(case.a.dtype)

@@ -1,8 +1,8 @@
 """A bounded, seeded fuzz run of CimInt4MatMul in child processes: no crash, no hang, clean errors or right answers.
 
 ``CIM_INT4_FUZZ_CASES`` (default 5000) and ``CIM_INT4_FUZZ_START`` (default 0) choose the seeds;
-the sanitizer stage of .ci/run runs a slice. Attribute sizes near INT64_MAX (issue 9 #2) and
-misaligned or huge inputs on the portable kernel (#3) are among the cases.
+the sanitizer stage of .ci/run runs a slice. Attribute sizes near INT64_MAX (an overflow in size
+arithmetic) and misaligned or huge inputs on the portable kernel are among the cases.
 """
 
 from __future__ import annotations
@@ -59,3 +59,11 @@ def test_a_crash_is_reported_with_its_seed(kernels: tuple[str, ...], monkeypatch
     assert [r.seed for r in got] == list(range(6))
     assert got[3].outcome == "crash" and "exit -6" in got[3].detail
     assert all(r.outcome == "ok" for r in got if r.seed != 3), got
+
+
+def test_the_harness_group_sizes_are_the_contracts() -> None:
+    from harness import GROUP_SIZES
+
+    from cim_int4.contract import SUPPORTED_GROUP_SIZES
+
+    assert GROUP_SIZES == SUPPORTED_GROUP_SIZES

@@ -1,4 +1,4 @@
-"""Accuracy of every scale rule against ORT's MatMulNBits RTN: the README's "Accuracy" table.
+"""Accuracy of every scale rule against ORT's MatMulNBits RTN: the table of docs/accuracy.md.
 
     .venv/bin/python tests/models/accuracy.py [--cases NAME ...] [--batches N]
 
@@ -26,11 +26,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from cim_int4.exporter import SCALE_RULES, export_with_summary
-from cim_int4.exporter.sensitivity import row_cosines, row_rel_l2
 from cim_int4.graphs import BUILDERS, LlamaConfig, llama_decoder, random_input, single_matmul
 from cim_int4.ops import session_options
 
 from cim_int4.bench.variants import quantize_nbits
+from cim_int4.metrics import row_cosines, row_rel_l2
 
 MODELS = Path(__file__).parent
 BATCHES = 8  # evaluation batches per case
@@ -163,7 +163,7 @@ def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BAT
 
 
 def markdown(rows: list[Row], rules: tuple[str, ...] = SCALE_RULES) -> str:
-    """The README table: mean output cosine (worst row) [mean rel L2] per rule, MatMulNBits last."""
+    """The docs/accuracy.md table: mean output cosine (worst row) [mean rel L2] per rule, MatMulNBits last."""
     cols = [*rules, "MatMulNBits"]
     lines = [
         "| model | layers | " + " | ".join(cols) + " |",

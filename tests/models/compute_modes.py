@@ -1,4 +1,4 @@
-"""Accuracy of the two compute modes: the README's table behind the default ``compute``.
+"""Accuracy of the two compute modes: the table of docs/accuracy.md behind the default ``compute``.
 
     .venv/bin/python tests/models/compute_modes.py     (prints the Markdown table)
 
@@ -6,7 +6,7 @@ For every case of accuracy.py (the repository's graphs and the random-init trans
 tests/models) and every model of tests/zoo: export once with the default scale rule, run
 with ``cim_int4.compute`` = fp32 and = int8, and MatMulNBits (same layers) at accuracy
 levels 0 and 4; worst final-output cosine vs FP32 for each. The default mode is int8 only
-if int8 stays within 0.001 cosine of fp32 on every one (issue 6's rule).
+if int8 stays within 0.001 cosine of fp32 on every one.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from cim_int4.exporter import export_with_summary
-from cim_int4.exporter.sensitivity import worst_cosine
 from cim_int4.graphs import random_input
 from cim_int4.ops import session_options
 
 from cim_int4.bench.variants import quantize_nbits
+from cim_int4.contract import COMPUTE_CONFIG
+from cim_int4.metrics import worst_cosine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from accuracy import CASES, Case  # noqa: E402
@@ -34,7 +35,7 @@ RULE = 0.001  # int8 is the default only within this cosine of fp32 everywhere
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], compute: str | None = None) -> list[np.ndarray]:
-    so = session_options(pin=False, config={"cim_int4.compute": compute} if compute else None)
+    so = session_options(pin=False, config={COMPUTE_CONFIG: compute} if compute else None)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})

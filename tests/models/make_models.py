@@ -7,7 +7,7 @@ initialised at random by its own ``_init_weights`` (seeded), exported by ``torch
 (TorchScript exporter, opset 17) with fixed input shapes. Beside ``<name>.onnx`` goes
 ``<name>.npz``: a batch of 4 inputs drawn like real ones (token ids within the vocabulary,
 an all-ones attention mask, Gaussian pixels), keyed by input name (``cim-int4 export --feeds``). The
-accuracy table of the README and tests/test_accuracy.py use them; torch is not needed there.
+accuracy table of docs/accuracy.md and tests/test_accuracy.py use them; torch is not needed there.
 """
 
 from __future__ import annotations

@@ -2,11 +2,15 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <new>
 #include <sstream>
+
+#include "cim_int4_contract.h"
 
 namespace cim {
 namespace {
@@ -87,7 +91,9 @@ void* allocate_stream(int64_t bytes) {
 
 void PackedStorage::FreeDeleter::operator()(void* p) const { std::free(p); }
 
-bool is_supported_group_size(int64_t g) { return g == 16 || g == 32 || g == 64 || g == 128 || g == 256; }
+bool is_supported_group_size(int64_t g) {
+  return std::find(std::begin(contract::kGroupSizes), std::end(contract::kGroupSizes), g) != std::end(contract::kGroupSizes);
+}
 
 std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
                                  const float* scales, const float* bias) {

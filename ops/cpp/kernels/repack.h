@@ -42,7 +42,7 @@ class PackedStorage {
 // and advised to use transparent huge pages). Free it with std::free.
 void* allocate_stream(int64_t bytes);
 
-// True for the group sizes the op accepts: 16, 32, 64, 128, 256.
+// True for the group sizes the op accepts (contract::kGroupSizes, from src/cim_int4/contract.py).
 bool is_supported_group_size(int64_t group_size);
 
 // Largest K and N the op accepts: every size computed from them (bytes of the stream,

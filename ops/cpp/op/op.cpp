@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "cim_int4_contract.h"
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
 #include "op/ort_support.h"
@@ -32,9 +33,6 @@ using namespace cim_op;  // NOLINT: the wrapper is written in terms of its ORT p
 // shape inference callbacks, CreateKernelV2): onnxruntime 1.17.
 constexpr uint32_t kMinOrtApi = 17;
 constexpr const char* kMinOrtRelease = "1.17";
-
-// The session config entry that overrides every node's `compute` attribute.
-constexpr const char* kComputeConfigKey = "cim_int4.compute";
 
 // How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
 // pool, which the C API does not tell a kernel. When the session pins its pool
@@ -68,30 +66,35 @@ class Kernel {
     AttributeReader attrs(info, node_);
     const int64_t K = attrs.required_int("K", "int K >= 1, the input's last dimension");
     const int64_t N = attrs.required_int("N", "int N >= 1, the output's last dimension");
-    const int64_t group_size = attrs.optional_int("group_size", 32, "int, one of 16, 32, 64, 128, 256");
+    const int64_t group_size = attrs.optional_int("group_size", cim::contract::kDefaultGroupSize,
+                                                  (std::string("int, one of ") + cim::contract::kGroupSizesText).c_str());
     // Bounds first: every size below is computed from these and must not overflow.
     const std::string limit = " (at most 2^31 = " + std::to_string(cim::kMaxDim) + ")";
     if (K < 1 || K > cim::kMaxDim) attrs.fail("attribute 'K' is " + std::to_string(K) + ", expected >= 1" + limit);
     if (N < 1 || N > cim::kMaxDim) attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected >= 1" + limit);
     if (!cim::is_supported_group_size(group_size)) {
-      attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of 16, 32, 64, 128, 256");
+      attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of " +
+                 cim::contract::kGroupSizesText);
     }
     // The node's compute mode, unless the session config overrides it for every node;
     // each is checked where it is given.
     const SessionConfig config(info);
     auto checked_mode = [&](std::string mode, const std::string& source) {
-      if (mode != "fp32" && mode != "int8") {
-        attrs.fail(source + " is \"" + mode + "\", expected \"fp32\" or \"int8\"");
+      if (std::find(std::begin(cim::contract::kComputeModes), std::end(cim::contract::kComputeModes), mode) ==
+          std::end(cim::contract::kComputeModes)) {
+        attrs.fail(source + " is \"" + mode + "\", expected one of " + cim::contract::kComputeModesText);
       }
       return mode;
     };
     std::string compute =
-        checked_mode(attrs.optional_string("compute", "fp32", "\"fp32\" or \"int8\""), "attribute 'compute'");
-    if (std::string session_compute = config.get(kComputeConfigKey); !session_compute.empty()) {
+        checked_mode(attrs.optional_string("compute", cim::contract::kDefaultCompute,
+                                          (std::string("one of ") + cim::contract::kComputeModesText).c_str()),
+                     "attribute 'compute'");
+    if (std::string session_compute = config.get(cim::contract::kComputeConfig); !session_compute.empty()) {
       compute = checked_mode(std::move(session_compute),
-                             std::string("session config entry '") + kComputeConfigKey + "'");
+                             std::string("session config entry '") + cim::contract::kComputeConfig + "'");
     }
-    int8_ = compute == "int8";
+    int8_ = compute == "int8";  // the one mode besides the default fp32
 
     const int64_t groups = (K + group_size - 1) / group_size;
     {

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "cim_int4_contract.h"
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
 
@@ -369,19 +370,18 @@ bool check_variant(const cim::KernelTable& table, const cim::KernelVariant& vari
 }
 
 std::vector<Shape> shapes() {
-  const int64_t group_sizes[] = {16, 32, 64, 128, 256};
   // Around every unit and group boundary, plus a few long rows.
   const int64_t ks[] = {1,   2,   3,   5,   7,   8,   9,   15,  16,  17,  24,  31,   32,   33,   40,  47,
                         48,  49,  63,  64,  65,  96,  100, 127, 128, 129, 200, 255,  256,  257,  300, 383,
                         384, 385, 511, 512, 513, 640, 777, 1000, 1024, 1031, 2048, 4096, 4099};
   // (M, N) pairs covering every remainder of the register blocks: N around tiles of 16
   // and the 4-tile decode block (64) and the 2-tile prefill chunk (32); M around the
-  // prefill row blocks (6 for AVX-512, 2 for AVX2) and the sizes of issue 6.
+  // prefill row blocks (6 for AVX-512, 2 for AVX2) and the benchmark's M = 1, 16 and 128.
   const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {2, 3},  {2, 33},
                            {5, 9},  {7, 48}, {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};
   std::vector<Shape> out;
   int64_t i = 0;
-  for (int64_t g : group_sizes) {
+  for (int64_t g : cim::contract::kGroupSizes) {
     for (int64_t k : ks) {
       for (const auto& p : mn) {
         Shape s;

@@ -15,7 +15,7 @@ first subtracts what a session of a one-node model adds (``empty_session_bytes``
 part that does not grow with the weights.
 
 With ``external_data`` the model file keeps its tensors in ``<model>.data`` (export's
-``--external-data``): ORT then holds one copy of the weights instead of two (README,
+``--external-data``): ORT then holds one copy of the weights instead of two (docs/design.md,
 "Session memory"); the row's variant name says so.
 """
 

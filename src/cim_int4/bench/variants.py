@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from ..contract import COMPUTE_CONFIG, OP_DOMAIN, OP_TYPE
 from ..exporter import export_with_summary
-from ..ops.names import COMPUTE_CONFIG, OP_DOMAIN, OP_TYPE
 from .errors import BenchError
 
 BLOCK_SIZE = 32

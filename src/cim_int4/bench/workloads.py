@@ -85,7 +85,7 @@ SUITES: dict[str, Suite] = {
     "full": Suite(
         "full",
         (layer(4096, 4096), layer(4096, 11008), layer(11008, 4096), chain(16, 4096), decoder(LlamaConfig())),
-        ms=(1, 16, 128),  # issue 6 targets: decode, and prefill at M = 16 and 128
+        ms=(1, 16, 128),  # decode, and prefill at M = 16 and 128
         min_rounds=7,
         max_rounds=60,
         max_time=10.0,

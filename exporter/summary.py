@@ -1,0 +1,142 @@
+"""What an export did, for the user: nodes rewritten and skipped, and what the sensitivity analysis kept FP32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .scale_rules import AUTO_CHOICES
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """One candidate layer: its output cosine when only it is INT4, and whether it stayed FP32."""
+
+    name: str
+    weight_bytes: int
+    cosine_alone: float
+    kept: bool
+
+
+@dataclass(frozen=True)
+class RuleChoice:
+    """What scale rule ``auto`` chose: per rule, the mean output cosine over the calibration rows, all layers INT4."""
+
+    cosine: dict[str, float]
+
+    @property
+    def chosen(self) -> str:
+        """The rule with the best cosine; on a tie the first of AUTO_CHOICES (balanced)."""
+        return max(AUTO_CHOICES, key=lambda rule: self.cosine[rule])
+
+
+@dataclass
+class MixedPrecision:
+    """What the sensitivity analysis decided: layers by damage, target, cosine reached, runs used."""
+
+    target_cosine: float
+    layers: list[LayerSensitivity] = field(default_factory=list)
+    cosine_all_int4: float | None = None
+    cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
+    cosine_exported: float | None = None  # the exported model, CimInt4MatMul
+    runs: int = 0
+    rule_choice: RuleChoice | None = None  # scale rule "auto" only
+
+    @property
+    def int4_share(self) -> float:
+        """Fraction of the candidate layers' FP32 weight bytes that are INT4 in the export."""
+        total = sum(x.weight_bytes for x in self.layers)
+        return sum(x.weight_bytes for x in self.layers if not x.kept) / total if total else 0.0
+
+    def format(self) -> str:
+        """Lines for the export summary."""
+        kept = [x for x in self.layers if x.kept]
+        if self.target_cosine == 0.0:
+            head = "  calibration inputs: target cosine 0, so no layer kept in FP32"
+        else:
+            head = (
+                f"  mixed precision: target output cosine {self.target_cosine} on the calibration inputs; "
+                f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
+            )
+        lines = [f"{head} ({self.runs} model runs)"]
+        if self.rule_choice is not None:
+            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
+            lines.append(f"    scale rule auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
+        if self.cosine_all_int4 is not None:
+            lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
+        lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
+        if self.cosine_exported is not None:
+            lines.append(f"    exported model run with CimInt4MatMul: cosine {self.cosine_exported:.6f}")
+            if self.cosine_exported < self.target_cosine:
+                # The analysis models the weights only; int8 activations add their own error.
+                lines.append(
+                    "    below the target: the compute mode adds error the analysis does not model; "
+                    "raise --target-cosine or export with --compute fp32"
+                )
+        total = sum(x.weight_bytes for x in self.layers)
+        lines.append(f"    int4 share of weight bytes: {self.int4_share:.1%} of {total:,} quantizable FP32 bytes")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """One node that became CimInt4MatMul; ``path`` locates a node of a subgraph (``If 'c'/then_branch/``)."""
+
+    name: str
+    op_type: str
+    k: int
+    n: int
+    bytes_before: int
+    bytes_after: int
+    path: str = ""
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One MatMul/Gemm node left as it was, and why."""
+
+    name: str
+    op_type: str
+    reason: str
+    path: str = ""
+
+
+@dataclass
+class ExportSummary:
+    """What the rewrite did: nodes rewritten and skipped, weight bytes before and after, warnings."""
+
+    group_size: int
+    scale_rule: str
+    compute: str
+    rewritten: list[Rewritten] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
+    mixed_precision: MixedPrecision | None = None
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(r.bytes_before for r in self.rewritten)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(r.bytes_after for r in self.rewritten)
+
+    def format(self) -> str:
+        """A human-readable report, one line per node."""
+        lines = [
+            f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}, "
+            f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
+        ]
+        for r in self.rewritten:
+            notes = f" ({r.notes})" if r.notes else ""
+            lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n}{notes}")
+        for s in self.skipped:
+            lines.append(f"  skipped   {s.path}{s.op_type} {s.name!r}: {s.reason}")
+        if self.rewritten:
+            ratio = self.bytes_before / max(self.bytes_after, 1)
+            lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
+        if self.mixed_precision is not None:
+            lines.append(self.mixed_precision.format())
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)

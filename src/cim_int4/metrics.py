@@ -1,0 +1,75 @@
+"""How close outputs are to their references: the package's one cosine (validation and the sensitivity analysis).
+
+The rule for non-finite values, everywhere: at a position where both sides hold the same
+non-finite value (the -inf of an attention mask, or NaN and NaN) they agree, and the position
+stays out of the sums; a non-finite value on one side only (or two different ones) is a
+disagreement, and the row's cosine is 0. Two all-zero rows agree (cosine 1); a zero row
+against a non-zero one does not (0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+
+def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
+    for ref, out in zip(reference, outputs, strict=True):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.dtype.kind != "f" or ref.size == 0:
+            continue
+        rows = 1 if ref.ndim < 2 else ref.shape[0]
+        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
+
+
+def cosines(r: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """Cosine of each row of float64 ``r`` [rows, n] with the same row of ``o``, under the module's rule."""
+    finite = np.isfinite(r) & np.isfinite(o)
+    if not finite.all():
+        same = (r == o) | (np.isnan(r) & np.isnan(o))
+        clash = (~finite & ~same).any(axis=1)
+        r, o = np.where(finite, r, 0.0), np.where(finite, o, 0.0)
+    else:
+        clash = np.zeros(r.shape[0], dtype=bool)
+    nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
+    both = nr * no
+    cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
+    return np.where(clash, 0.0, np.where(both > 0, cos, (nr == 0) & (no == 0)))
+
+
+def cosine(reference: np.ndarray, output: np.ndarray) -> float:
+    """Cosine of two whole tensors (flattened) under the module's rule."""
+    r = np.asarray(reference, np.float64).reshape(1, -1)
+    return float(cosines(r, np.asarray(output, np.float64).reshape(1, -1))[0])
+
+
+def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
+    found = [cosines(r, o) for r, o in _rows(reference, outputs)]
+    return np.concatenate(found) if found else np.ones(0)
+
+
+def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
+    found = []
+    for r, o in _rows(reference, outputs):
+        d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
+        found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
+    return np.concatenate(found) if found else np.zeros(0)
+
+
+def worst(cosines: np.ndarray) -> float:
+    """The lowest of row cosines; 1.0 when there is none (no float output)."""
+    return float(min(cosines, default=1.0))
+
+
+def worst_cosine(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
+    """Worst cosine similarity between float outputs and their references, per index of the first axis."""
+    return worst(row_cosines(reference, outputs))
+
+
+def worst_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
+    """Worst ``||out - ref|| / ||ref||`` over float outputs, per index of the first axis."""
+    return float(max(row_rel_l2(reference, outputs), default=0.0))

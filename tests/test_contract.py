@@ -1,0 +1,141 @@
+"""cim_int4.contract: the code format byte for byte, Int4Node written and read back, its one-line errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from cim_int4.exporter import (
+    pack,
+    quantize_weight,
+)
+from cim_int4.ops import reference
+from onnx import helper, numpy_helper
+
+from cim_int4.contract import (
+    ATTRIBUTES,
+    MATMUL,
+    OP_DOMAIN,
+    OP_TYPE,
+    Int4Node,
+    check_compute,
+    check_group_size,
+    unpack_codes,
+)
+
+# ---------------------------------------------------------------- pack / unpack
+
+
+def test_pack_unpack_round_trip(rng: np.random.Generator) -> None:
+    q = rng.integers(-8, 8, size=(5, 64)).astype(np.int8)
+    packed = pack(q)
+    assert packed.dtype == np.uint8 and packed.shape == (5, 32)
+    np.testing.assert_array_equal(reference.unpack(packed), q)
+    # Every code value occurs, so no nibble value is special-cased by accident.
+    assert set(np.unique(q)) == set(range(-8, 8))
+
+
+def test_nibble_order_pinned_byte_for_byte() -> None:
+    # code = q + 8; byte b holds k = 2b in the low nibble and k = 2b + 1 in the high one.
+    q = np.array([[-8, 7, 0, 1, -1, 3, 5, -6]], dtype=np.int8)
+    # codes 0,15 | 8,9 | 7,11 | 13,2  ->  0xF0, 0x98, 0xB7, 0x2D
+    assert pack(q).tobytes() == bytes([0xF0, 0x98, 0xB7, 0x2D])
+    np.testing.assert_array_equal(reference.unpack(np.array([[0xF0, 0x98, 0xB7, 0x2D]], dtype=np.uint8)), q)
+
+
+def test_pack_rows_are_output_channels() -> None:
+    q = np.array([[0, 0], [-8, 7]], dtype=np.int8)
+    assert pack(q).tobytes() == bytes([0x88, 0xF0])
+
+
+@pytest.mark.parametrize(
+    ("q", "message"),
+    [
+        (np.zeros((2, 3), dtype=np.int8), "K_padded even"),
+        (np.zeros(4, dtype=np.int8), "K_padded even"),
+        (np.array([[8, 0]], dtype=np.int8), "-8..7"),
+        (np.array([[0, -9]], dtype=np.int8), "-8..7"),
+    ],
+)
+def test_pack_rejects_bad_codes(q: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pack(q)
+
+
+
+# ---------------------------------------------------------------- Int4Node
+
+
+def _node(**changes: object) -> Int4Node:
+    qw = quantize_weight(np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32), 32)
+    fields = dict(
+        name="mm", inputs=("x",), outputs=("y",), k=qw.k, n=qw.n, group_size=32,
+        packed=qw.packed, scales=qw.scales, bias=np.ones(3, np.float32), compute="int8",
+    )
+    fields.update(changes)
+    return Int4Node(**fields)  # type: ignore[arg-type]
+
+
+def test_to_node_then_from_node_gives_the_same_values() -> None:
+    written = _node()
+    node = written.to_node()
+    assert (node.op_type, node.domain, node.name) == (OP_TYPE, OP_DOMAIN, "mm")
+    assert {a.name for a in node.attribute} == {a.name for a in ATTRIBUTES}
+    read = Int4Node.from_node(node)
+    got = (read.k, read.n, read.group_size, read.compute, read.inputs, read.outputs)
+    assert got == (40, 3, 32, "int8", ("x",), ("y",))
+    for name in ("packed", "scales", "bias"):
+        assert getattr(read, name).tobytes() == getattr(written, name).tobytes()
+
+
+def test_absent_optional_attributes_read_as_their_defaults() -> None:
+    node = _node(bias=None, compute=None).to_node()
+    assert {a.name for a in node.attribute} == {"K", "N", "group_size", "packed", "scales"}
+    node.attribute.remove(next(a for a in node.attribute if a.name == "group_size"))
+    read = Int4Node.from_node(node)
+    assert (read.group_size, read.compute, read.bias) == (32, "fp32", None)
+
+
+def _without(node: onnx.NodeProto, name: str) -> onnx.NodeProto:
+    node.attribute.remove(next(a for a in node.attribute if a.name == name))
+    return node
+
+
+def _set(node: onnx.NodeProto, name: str, value: object) -> onnx.NodeProto:
+    _without(node, name)
+    node.attribute.append(helper.make_attribute(name, value))
+    return node
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (lambda n: _without(n, "K"), "attribute 'K' is missing or not an int"),
+        (lambda n: _set(n, "N", 0), "attribute 'N' is 0, expected >= 1"),
+        (lambda n: _set(n, "group_size", 48), "attribute 'group_size' is 48, expected one of"),
+        (lambda n: _set(n, "compute", "int4"), "attribute 'compute' is 'int4'"),
+        (lambda n: _without(n, "packed"), "attribute 'packed' is missing or not a tensor"),
+        (lambda n: _set(n, "scales", numpy_helper.from_array(np.ones((3, 2), np.float16))), "element type float16"),
+        (lambda n: _set(n, "bias", numpy_helper.from_array(np.ones(4, np.float32))), "attribute 'bias' has shape"),
+        (lambda n: _set(n, "packed", numpy_helper.from_array(np.full((3, 32), 0x77, np.uint8))), "padding code"),
+        (lambda n: _set(n, "scales", numpy_helper.from_array(np.full((3, 2), np.inf, np.float32))), "not finite"),
+    ],
+)
+def test_from_node_names_the_node_and_attribute_in_one_line(broken, message: str) -> None:
+    node = broken(_node().to_node())
+    with pytest.raises(ValueError, match=message) as info:
+        Int4Node.from_node(node)
+    assert str(info.value).startswith(f"{OP_TYPE} node 'mm': ") and "\n" not in str(info.value)
+
+
+def test_unpack_codes_is_q_plus_8() -> None:
+    q = np.array([[-8, 7, 0, 1]], dtype=np.int8)
+    np.testing.assert_array_equal(unpack_codes(pack(q)), q + 8)
+
+
+def test_checks_name_what_they_expected() -> None:
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        check_group_size(48)
+    with pytest.raises(ValueError, match="compute must be one of"):
+        check_compute("int4")
+    assert MATMUL.attribute("packed").dtypes == ("uint8",)
