@@ -81,7 +81,8 @@ constexpr int64_t kHugePage = int64_t(1) << 21;
 
 void* allocate_stream(int64_t bytes) {
   if (bytes < 2 * kHugePage) return aligned_bytes(bytes);
-  void* p = std::aligned_alloc(kHugePage, static_cast<size_t>(round_up(bytes, kAlign)));
+  // aligned_alloc wants a size that is a multiple of the alignment (ASan enforces it).
+  void* p = std::aligned_alloc(kHugePage, static_cast<size_t>(round_up(bytes, kHugePage)));
   if (p == nullptr) throw std::bad_alloc();
 #if defined(MADV_HUGEPAGE)
   madvise(p, static_cast<size_t>(bytes / kHugePage * kHugePage), MADV_HUGEPAGE);  // advice only: ignore failure
