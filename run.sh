@@ -16,8 +16,8 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "run.sh: creating virtualenv $venv" >&2
     "$python" -m venv "$venv"
 fi
-echo "run.sh: installing cim-int4 and its test/bench dependencies into $venv" >&2
-"$venv/bin/python" -m pip install -q --disable-pip-version-check ".[test,bench]" >&2
+echo "run.sh: installing cim-int4 and its test/bench/serve dependencies into $venv" >&2
+"$venv/bin/python" -m pip install -q --disable-pip-version-check ".[test,bench,serve]" >&2
 
 case "$job" in
     demo) exec "$venv/bin/cim-int4" demo "$@" ;;

@@ -15,7 +15,7 @@ from onnx import helper
 from ..contract import OP_DOMAIN, OP_TYPE
 from . import io
 from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
-from .options import ExportOptions
+from .options import CALIBRATED, ExportOptions
 from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model
@@ -209,13 +209,18 @@ def _export(
     note = None
     if options.simplify:
         model, note = simplify_model(model)
+    if options.feeds is None and options.method in CALIBRATED:
+        raise ValueError(
+            f"method {options.method!r} needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)"
+        )
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
         quantized, summary = export_mixed(model, options)
     if note:
         summary.warnings.insert(0, note)
-    if not summary.rewritten:
+    # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.
+    if not any(r.op_type != "Gather" for r in summary.rewritten):
         mixed = summary.mixed_precision
         if mixed is not None and mixed.layers:
             least = max(mixed.layers, key=lambda x: x.cosine_alone)

@@ -7,6 +7,16 @@ flattened), dequantized as ``(code - 8) * scale``. Reshaped, ``B`` is ``packed``
 ``scales`` is ``scales``: no requantization, the weights stay byte-identical. Padding codes
 beyond K, which MatMulNBits ignores, are set to 8, as our format requires.
 
+A ``B`` that other nodes read too (the genai builder's tied embedding: ``Reshape`` ->
+``GatherBlockQuantized`` on the LM head's ``B`` and ``scales``) stays one tensor: the
+CimInt4MatMul takes ``B`` and ``scales`` as inputs (the op contract's input form) instead of
+attributes, so the file keeps one copy.
+
+A ``GatherBlockQuantized`` of the same format (4 bits, uint8 data without zero points, so
+code 8 is zero; rows gathered, blocks along the row, float32 scales) becomes a
+``CimInt4Gather`` that reads the data initializer itself: the builder's ``Reshape`` in front of
+it, which ORT would fold into a second copy of the table at load, goes.
+
 ``accuracy_level`` 4 (int8 activations) becomes ``compute = "int8"``, the op's analogue,
 so the converted model keeps the precision (and speed trade) its author chose; other
 levels compute in FP32. Nodes that do not match are left as they are, with the reason.
@@ -15,16 +25,18 @@ levels compute in FP32. Nodes that do not match are left as they are, with the r
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..contract import (
     COMPUTE_MODES,
     DEFAULT_COMPUTE,
+    GATHER_OP_TYPE,
     OP_DOMAIN,
     OP_TYPE,
     OP_VERSION,
@@ -38,11 +50,12 @@ from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
 from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
 from .rewrite import drop_stray_imports
-from .subgraph import drop_unused, used_names
+from .subgraph import all_graphs, drop_unused, used_names
 from .summary import Skipped
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
+GATHER_NBITS_OP = "GatherBlockQuantized"
 COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 # MatMulNBits input slots (ORT contrib op schema).
 _A, _B, _SCALES, _ZERO_POINTS, _G_IDX, _BIAS = range(6)
@@ -57,6 +70,7 @@ class Converted:
     n: int
     block_size: int
     compute: str
+    shared: bool = False  # B and scales read as inputs, shared with other nodes
 
 
 @dataclass
@@ -65,6 +79,7 @@ class ConvertSummary:
 
     converted: list[Converted] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    gathers: list[str] = field(default_factory=list)  # GatherBlockQuantized nodes now CimInt4Gather
 
     def format(self) -> str:
         """A human-readable report, one line per node."""
@@ -73,7 +88,10 @@ class ConvertSummary:
             f"{len(self.skipped)} left as they are"
         ]
         for c in self.converted:
-            lines.append(f"  converted {c.name!r}: K={c.k} N={c.n} block {c.block_size}, compute {c.compute}")
+            shared = ", B shared with other nodes (read as inputs)" if c.shared else ""
+            lines.append(f"  converted {c.name!r}: K={c.k} N={c.n} block {c.block_size}, compute {c.compute}{shared}")
+        for name in self.gathers:
+            lines.append(f"  converted {GATHER_NBITS_OP} {name!r} to {GATHER_OP_TYPE} (reads its table in place)")
         for s in self.skipped:
             lines.append(f"  skipped   {s.name!r}: {s.reason}")
         return "\n".join(lines)
@@ -121,7 +139,10 @@ def _zero_points_are_8(zp: np.ndarray, n: int, blocks: int) -> bool:
     return bool(np.all(codes == 8))
 
 
-def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[onnx.NodeProto, Converted]:
+def _convert_node(
+    node: onnx.NodeProto, consts: Scope, compute: str, shared: bool = False
+) -> tuple[onnx.NodeProto, Converted]:
+    """``node`` as CimInt4MatMul; ``shared``: its B is an initializer other nodes read too (kept as an input)."""
     attrs = _int_attrs(node)
     bits, block = attrs.get("bits", 4), attrs.get("block_size", 0)
     if bits != 4:
@@ -159,26 +180,81 @@ def _convert_node(node: onnx.NodeProto, consts: Scope, compute: str) -> tuple[on
         bias = bias.reshape(n)
 
     packed = b.reshape(n, blocks * block // 2)
+    # A shared B is read as it is, so only when its padding codes (if any) are already 8.
+    share = shared and node.input[_SCALES] in consts.initializers
     if k % block:
-        # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
-        q = unpack(packed)
-        q[:, k:] = 0
-        packed = pack(q)
+        codes = unpack_codes(packed)
+        share = share and bool(np.all(codes[:, k:] == 8))
+        if not share:
+            # MatMulNBits never reads codes beyond K; our op requires them to be 8 (q = 0).
+            q = unpack(packed)
+            q[:, k:] = 0
+            packed = pack(q)
     mode = compute if compute != "auto" else ("int8" if attrs.get("accuracy_level", 0) == 4 else "fp32")
-    new = Int4Node(
-        node.name or f"{node.output[0]}/{OP_TYPE}",
-        (node.input[_A],),
-        (node.output[0],),
-        k,
-        n,
-        block,
-        packed,
-        scales,
-        bias,
-        # Absent means fp32, which older builds of the op also understand.
-        None if mode == DEFAULT_COMPUTE else mode,
-    ).to_node()
-    return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode)
+    name = node.name or f"{node.output[0]}/{OP_TYPE}"
+    if share:
+        extra = {"bias": numpy_helper.from_array(bias, "bias")} if bias is not None else {}
+        if mode != DEFAULT_COMPUTE:
+            extra["compute"] = mode
+        inputs = [node.input[_A], node.input[_B], node.input[_SCALES]]
+        new = helper.make_node(
+            OP_TYPE, inputs, [node.output[0]], name=name, domain=OP_DOMAIN, K=k, N=n, group_size=block, **extra
+        )
+    else:
+        new = Int4Node(
+            name,
+            (node.input[_A],),
+            (node.output[0],),
+            k,
+            n,
+            block,
+            packed,
+            scales,
+            bias,
+            # Absent means fp32, which older builds of the op also understand.
+            None if mode == DEFAULT_COMPUTE else mode,
+        ).to_node()
+    return new, Converted(name=new.name, k=k, n=n, block_size=block, compute=mode, shared=share)
+
+
+def _convert_gather(node: onnx.NodeProto, consts: Scope) -> tuple[onnx.NodeProto, list[str]]:
+    """``node`` (GatherBlockQuantized) as CimInt4Gather on the initializer behind its data, and the names skipped."""
+    attrs = _int_attrs(node)
+    bits, block = attrs.get("bits", 4), attrs.get("block_size", 128)
+    if bits != 4 or block not in SUPPORTED_GROUP_SIZES:
+        raise _Unconvertible(f"bits={bits}, block_size={block}; {GATHER_OP_TYPE} takes 4 bits in blocks of "
+                             f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}")
+    if attrs.get("gather_axis", 0) != 0 or attrs.get("quantize_axis", 1) not in (1, -1):
+        raise _Unconvertible("only rows gathered (gather_axis 0) with blocks along them (quantize_axis 1) convert")
+    if len(node.input) != 3 or not node.input[2]:
+        raise _Unconvertible("needs exactly data, indices and scales (no zero points: code 8 is zero)")
+    try:
+        data = consts.resolve(node.input[0], "data")
+    except NotFoldable as why:
+        raise _Unconvertible(f"data is not a constant: {why}") from None
+    value = data.value
+    source = consts.initializers.get(data.names[0])
+    chain = [consts.producers[name] for name in data.names[1:]]
+    if value.dtype != np.uint8 or value.ndim != 2 or source is None or any(
+        n.op_type not in ("Reshape", "Identity") for n in chain
+    ):
+        raise _Unconvertible("data must be a uint8 [rows, bytes] initializer, possibly behind Reshape nodes")
+    rows, k = value.shape[0], value.shape[1] * 2
+    if k % block or source.dims[0] != rows:
+        raise _Unconvertible(f"data {list(value.shape)} does not hold whole blocks of {block} per row")
+    scales = _constant(consts, node, 2, "scales")
+    if scales.dtype != np.float32 or scales.size != rows * (k // block):
+        raise _Unconvertible(f"scales are {scales.dtype} {list(scales.shape)}; expected float32 [{rows}, {k // block}]")
+    new = helper.make_node(
+        GATHER_OP_TYPE,
+        [data.names[0], node.input[1], node.input[2]],
+        [node.output[0]],
+        name=node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
+        domain=OP_DOMAIN,
+        K=k,
+        group_size=block,
+    )
+    return new, data.names[1:]
 
 
 class NothingToConvert(ExportError):
@@ -215,11 +291,13 @@ def _convert_in_place(
     # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
     consts = Scope(graph if initializers_of is None else initializers_of, fold_inputs=False, load=load)
     summary = ConvertSummary()
+    readers = Counter(i for g in all_graphs(graph) for n in g.node for i in n.input if i)
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
             continue
         try:
-            new, done = _convert_node(node, consts, compute)
+            shared = len(node.input) > _B and readers[node.input[_B]] > 1 and node.input[_B] in consts.initializers
+            new, done = _convert_node(node, consts, compute, shared)
         except _Unconvertible as why:
             summary.skipped.append(Skipped(node.name or f"{NBITS_OP}#{index} -> {node.output[0]}", NBITS_OP, str(why)))
             continue
@@ -227,10 +305,22 @@ def _convert_in_place(
         summary.converted.append(done)
     if not summary.converted:
         raise NothingToConvert(summary)
+    folded: set[str] = set()
+    for index, node in enumerate(graph.node):
+        if node.op_type != GATHER_NBITS_OP or node.domain != NBITS_DOMAIN:
+            continue
+        try:
+            new, through = _convert_gather(node, consts)
+        except _Unconvertible as why:
+            summary.skipped.append(Skipped(node.name or f"{GATHER_NBITS_OP}#{index}", GATHER_NBITS_OP, str(why)))
+            continue
+        graph.node[index].CopyFrom(new)
+        folded.update(through)
+        summary.gathers.append(new.name)
     if initializers_of is not None:  # in their order, so drop_unused leaves what it would leave in a whole copy
         read = used_names(graph) | {i.name for i in graph.input}
         graph.initializer.extend(t for t in initializers_of.initializer if t.name in read)
-    drop_unused(graph, folded=set(), folded_inputs=set())
+    drop_unused(graph, folded=folded, folded_inputs=set())
     if not any(o.domain == OP_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
     model.ir_version = min(model.ir_version, max_ir_version())

@@ -9,13 +9,14 @@ every flag whose ``dest`` is a field name (``cli.export_options``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from ..contract import DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_compute, check_group_size
+from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
 from .quantize import DEFAULT_SCALE_RULE
 from .scale_rules import check_scale_rule
 
@@ -23,6 +24,17 @@ from .scale_rules import check_scale_rule
 DEFAULT_TARGET_COSINE = 0.99
 
 Feeds = Mapping[str, np.ndarray]
+
+# How weights are rounded given calibration inputs (exporter.methods); every method without them is "rtn".
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
+DEFAULT_METHOD = "rtn"
+CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that need calibration inputs
+
+
+def check_method(method: str) -> None:
+    """Raise ValueError unless ``method`` is one of METHODS."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 @dataclass(frozen=True)
@@ -35,10 +47,16 @@ class ExportOptions:
       nodes left FP32.
     * ``fold_input_initializers``: initializers also listed as graph inputs are quantized with
       a warning (None), quietly (True) or left FP32 (False).
-    * ``feeds`` (an ``.npz`` path or a dict of input arrays) and ``target_cosine``: keep the
-      most sensitive layers FP32 until the outputs reach ``target_cosine`` (exporter.sensitivity).
+    * ``feeds`` (an ``.npz`` path, a dict of input arrays, or an iterable of such dicts) and
+      ``target_cosine``: keep the most sensitive layers FP32 until the outputs reach
+      ``target_cosine`` (exporter.sensitivity).
+    * ``method`` (``rtn``, ``gptq``, ``awq``, ``awq+gptq``, ``auto``) and the GPTQ knobs: how
+      weights are rounded given ``feeds`` (exporter.methods, docs/methods.md).
     * ``simplify``: run onnxsim first (extra ``simplify``).
     * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
+    * ``keep_embedding``: leave every Gather on a constant table (the token embedding) FP32; by
+      default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
+      (docs/embeddings.md).
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -47,15 +65,25 @@ class ExportOptions:
     scale_rule: str = DEFAULT_SCALE_RULE
     compute: str = DEFAULT_COMPUTE
     fold_input_initializers: bool | None = None
-    feeds: str | os.PathLike | Feeds | None = None
+    feeds: str | os.PathLike | Feeds | Iterable[Feeds] | None = None
     target_cosine: float = DEFAULT_TARGET_COSINE
     simplify: bool = False
     external_data: bool = False
+    method: str = DEFAULT_METHOD
+    gptq_damp: float = DEFAULT_DAMP  # times mean(diag H), added to H's diagonal
+    gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
+    gptq_act_order: bool = False  # sweep channels by decreasing H[k, k] (groups stay contiguous)
+    keep_embedding: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
         check_scale_rule(self.scale_rule)
         check_compute(self.compute)
+        check_method(self.method)
+        if not (self.gptq_damp > 0 and np.isfinite(self.gptq_damp)):
+            raise ValueError(f"gptq_damp must be a positive finite number, got {self.gptq_damp!r}")
+        if not (isinstance(self.gptq_block, int) and self.gptq_block > 0):
+            raise ValueError(f"gptq_block must be a positive integer, got {self.gptq_block!r}")
         object.__setattr__(self, "exclude", tuple(self.exclude))
 
     @property

@@ -1,19 +1,36 @@
-"""The sensitivity analysis's probe: the export's rewrite with ``x @ W`` in place of CimInt4MatMul, W fed per run."""
+"""The probe: the export's rewrite with ``x @ W`` in place of CimInt4MatMul, W fed per run; and a session of it.
+
+``Probe`` holds one ORT session of a probe model, the calibration batches, and the FP32
+reference outputs (kept while they fit in ``REFERENCE_BYTES``, as float16 if that is what
+makes them fit, else recomputed with each comparison), and counts its runs. With
+``calibrate=True`` every candidate's input tensor is also a graph output, for the
+calibration pass (``exporter.calibration``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from ..metrics import row_cosines
+from ..ops.ort_model import proto_session
+from ..ops.reference import dequantize
+from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
 from .operands import Plan
 from .options import ExportOptions
+from .quantize import QuantizedWeight
 from .rewrite import Rewriter, run_rewrite
+from .subgraph import all_graphs
 
 # Probe weights are named from this prefix.
 PROBE_PREFIX = "cim_int4.probe."
+# FP32 reference outputs kept across comparisons up to this size (an LLM's logits are 0.5 GB a window).
+REFERENCE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -29,13 +46,22 @@ class Candidate:
 class ProbeRewriter(Rewriter):
     """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph initializer per node."""
 
+    quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
+
     def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
         super().__init__(model, options)
         self.candidates: list[Candidate] = []
         self.probe_weights: list[onnx.TensorProto] = []
 
     def core(
-        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+        self,
+        base: str,
+        key: str,
+        x: str,
+        out: str,
+        plan: Plan,
+        initializers: list[onnx.TensorProto],
+        table: object = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
         self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
@@ -65,3 +91,93 @@ def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.Mo
         helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
     )
     return out, rewriter.candidates
+
+
+def _compact(x: np.ndarray) -> np.ndarray:
+    """A float32 output as float16 when that keeps it finite (a cosine near 1 moves by ~1e-7), else as it is."""
+    if x.dtype != np.float32 or x.size == 0 or not np.all(np.abs(x) < 6e4):
+        return x
+    return x.astype(np.float16)
+
+
+class Probe:
+    """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
+
+    def __init__(
+        self, model: onnx.ModelProto, options: ExportOptions, batches: Sequence[Feeds], calibrate: bool = False
+    ) -> None:
+        probe, self.candidates = probe_model(model, options)
+        self.outputs = [o.name for o in probe.graph.output]
+        readers = {
+            n.input[1]: (n.input[0], g is probe.graph)
+            for g in all_graphs(probe.graph)
+            for n in g.node
+            if n.op_type == "MatMul" and len(n.input) == 2
+        }
+        # The tensor each candidate's product reads (after the export's Cast/Transpose, as the op will);
+        # only those of the main graph can be graph outputs, so only their statistics are gathered.
+        self.inputs = {c.key: readers[c.weight_name][0] for c in self.candidates}
+        self.measured = {c.key for c in self.candidates if readers[c.weight_name][1]}
+        if calibrate:
+            expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
+        quiet = ort.SessionOptions()
+        quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
+        self.session = proto_session(probe, quiet) if self.candidates else None
+        del probe
+        self.batches = list(batches)
+        self.runs = 0
+        self._reference: dict[int, list[np.ndarray]] | None = None
+        self._compact = False
+        self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
+
+    def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        assert self.session is not None
+        self.runs += 1
+        return self.session.run(self.outputs, {**batch, **(weights or {})})
+
+    def cosines(
+        self, layers: Sequence[int], weights: Mapping[str, QuantizedWeight], parts: Sequence[Part] | None = None
+    ) -> np.ndarray:
+        """Each output row's cosine vs FP32 over the batches, ``layers`` in INT4 (``weights``), the rest FP32."""
+        int4 = {}
+        for i in layers:
+            c = self.candidates[i]
+            qw = weights[c.key]
+            int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
+        found = []
+        for b, rows in [(b, None) for b in range(len(self.batches))] if parts is None else parts:
+            reference, outputs = self.reference(b), self._run(self.batches[b], int4)
+            if rows is not None:  # the rows of the first axis asked for, in every output that has them
+                n = batch_rows(self.batches[b])
+                reference, outputs = [rows_of(r, rows, n) for r in reference], [rows_of(o, rows, n) for o in outputs]
+            found.append(row_cosines(reference, outputs))
+        return np.concatenate(found) if found else np.ones(0)
+
+    def reference(self, index: int) -> list[np.ndarray]:
+        """The FP32 outputs of batch ``index`` (kept when those of every batch fit in REFERENCE_BYTES)."""
+        if self._reference is not None and index in self._reference:
+            return self._reference[index]
+        outs = self._run(self.batches[index])
+        self._keep(index, outs)
+        return outs
+
+    def _keep(self, index: int, outs: list[np.ndarray]) -> None:
+        if self._reference is None:
+            # As they are when all fit, else as float16 (an LLM's logits) when that fits, else not kept.
+            size = sum(o.nbytes for o in outs) * len(self.batches)
+            self._compact = size > REFERENCE_BYTES
+            if size <= REFERENCE_BYTES or sum(_compact(o).nbytes for o in outs) * len(self.batches) <= REFERENCE_BYTES:
+                self._reference = {}
+        if self._reference is not None:
+            self._reference[index] = [_compact(o) for o in outs] if self._compact else outs
+
+    def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
+        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs are kept too."""
+        assert self.session is not None
+        tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates if c.key in self.measured}
+        self.runs += len(self.batches)
+        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
+
+    def share_reference(self, other: Probe) -> None:
+        """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
+        self._reference, self._compact = other._reference, other._compact

@@ -11,12 +11,18 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..contract import OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node
+from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
 from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
 from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_domain
 from .summary import ExportSummary, Rewritten, Skipped
+
+
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    """How the summary names node ``index`` of its graph: its name, else ``op#index -> first output``."""
+    return node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
 
 
 def _excluded(name: str, patterns: list[tuple[str, re.Pattern[str]]]) -> str | None:
@@ -74,6 +80,9 @@ class Rewriter:
     ``core`` makes the node computing the product; a subclass (exporter.probe) emits another.
     """
 
+    # Gathers on constant tables become CimInt4Gather (and tied heads share them); not in a probe.
+    quantizes_tables = True
+
     def __init__(
         self,
         model: onnx.ModelProto,
@@ -97,6 +106,9 @@ class Rewriter:
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
         self._ranks: dict[str, int] | None = None
+        # Embedding tables (Gather on a constant table), shared with a tied LM head; none in a probe.
+        self.tables = Tables(options, self.fresh, tensors.write if tensors is not None else None)
+        self.quantize_tables = self.quantizes_tables and not options.keep_embedding
 
     def fresh(self, base: str) -> str:
         """A tensor name used nowhere in the model, derived from ``base``."""
@@ -135,10 +147,21 @@ class Rewriter:
         casts: dict[str, str] = {}  # one Cast to float per fp16 activation, shared by its consumers
         replaced: dict[int, list[onnx.NodeProto]] = {}
         initializers: list[onnx.TensorProto] = []
+        # Tables first, so that a tied LM head finds its embedding wherever the two nodes sit.
+        gathers = self.plan_tables(graph, scope, path) if self.quantize_tables else {}
         for index, node in enumerate(graph.node):
-            label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+            label = node_label(node, index)
             for attr_label, body in subgraphs(node):
                 self.rewrite_graph(body, scope, f"{path}{node.op_type} {label!r}/{attr_label}/")
+            if index in gathers:
+                table = gathers[index]
+                replaced[index] = [self.tables.gather_node(node, table)]
+                self.folded.update(table.sources)
+                self.summary.rewritten.append(
+                    Rewritten(label, node.op_type, table.value.shape[1], table.value.shape[0], table.bytes_before,
+                              table.bytes_after, path, "embedding table")
+                )
+                continue
             if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
                 continue
             try:
@@ -163,12 +186,16 @@ class Rewriter:
             if key in self.keep:
                 self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
                 continue
-            replaced[index], after = self.emit(node, plan, key, casts, initializers)
+            table = self.tables.tied(plan.w) if self.quantize_tables else None
+            replaced[index], after = self.emit(node, plan, key, casts, initializers, table)
             self.folded.update(plan.sources)
             if after is not None:
-                self.summary.rewritten.append(
-                    Rewritten(label, node.op_type, k, n, plan.bytes_before, after, path, plan.notes)
-                )
+                before, notes = plan.bytes_before, plan.notes
+                if table is not None:
+                    # The same initializer as the table's (behind a Transpose) is counted once, with the table.
+                    before = 0 if set(plan.sources) & set(table.sources) else before
+                    notes = "; ".join(x for x in (notes, f"tied: reads the int4 table of {table.name!r}") if x)
+                self.summary.rewritten.append(Rewritten(label, node.op_type, k, n, before, after, path, notes))
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):
             first, *rest = replaced[index]
@@ -176,6 +203,26 @@ class Rewriter:
             for offset, extra in enumerate(rest, 1):
                 graph.node.insert(index + offset, extra)
         graph.initializer.extend(initializers)
+
+    def plan_tables(self, graph: onnx.GraphProto, scope: Scope, path: str) -> dict[int, Table]:
+        """The Gathers of ``graph`` on a constant table that become CimInt4Gather (by node index); others skipped."""
+        gathers: dict[int, Table] = {}
+        for index, node in enumerate(graph.node):
+            if not is_gather(node) or len(node.input) < 2:
+                continue
+            label = node.name or f"{node.op_type}#{index} -> {node.output[0] if node.output else ''}"
+            try:
+                pattern = _excluded(node.name, self.patterns)
+                table = plan_gather(node, scope, self.options)
+                if pattern is not None:
+                    raise Ineligible(f"excluded by pattern {pattern!r}")
+            except NotATable:
+                continue
+            except Ineligible as why:
+                self.summary.skipped.append(Skipped(label, node.op_type, str(why), path))
+                continue
+            gathers[index] = self.tables.add(table)
+        return gathers
 
     def _constant(self, base: str, value: np.ndarray, initializers: list[onnx.TensorProto]) -> str:
         name = self.fresh(base)
@@ -204,8 +251,12 @@ class Rewriter:
         key: str,
         casts: dict[str, str],
         initializers: list[onnx.TensorProto],
+        table: Table | None = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
-        """The nodes replacing ``node`` ([Cast, Transpose, Mul,] core [, Cast, Unsqueeze, Add]) and core's bytes."""
+        """The nodes replacing ``node`` ([Cast, Transpose, Mul,] core [, Cast, Unsqueeze, Add]) and core's bytes.
+
+        With ``table`` (a tied LM head) the op reads the table's codes and scales as inputs.
+        """
         base = node.name or f"{node.output[0]}/{OP_TYPE}"
         nodes: list[onnx.NodeProto] = []
         x = node.input[0]
@@ -237,7 +288,7 @@ class Rewriter:
 
         y = node.output[0]
         out = self.fresh(f"{y}/{OP_TYPE}") if steps else y
-        core, after = self.core(base, key, x, out, plan, initializers)
+        core, after = self.core(base, key, x, out, plan, initializers, table)
         nodes.extend(core)
         for i, (op, extra, attributes) in enumerate(steps):
             nxt = y if i == len(steps) - 1 else self.fresh(f"{y}/{op.lower()}")
@@ -246,12 +297,29 @@ class Rewriter:
         return nodes, after
 
     def core(
-        self, base: str, key: str, x: str, out: str, plan: Plan, initializers: list[onnx.TensorProto]
+        self,
+        base: str,
+        key: str,
+        x: str,
+        out: str,
+        plan: Plan,
+        initializers: list[onnx.TensorProto],
+        table: Table | None = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
         """The CimInt4MatMul computing ``out = x @ W (+ bias)`` and its weight bytes; tensors go to ``tensors`` as made.
 
         A subclass returns None for the bytes when its node is not an INT4 one (the summary then skips it).
+        A tied head (``table``) reads the table's two initializers as inputs and adds no weight bytes.
         """
+        if table is not None:
+            qw = self.tables.quantize(table)
+            attrs: dict[str, object] = {"K": qw.k, "N": qw.n, "group_size": qw.group_size}
+            attrs["compute"] = self.options.compute
+            if plan.bias is not None:
+                attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
+            inputs = [x, table.packed_name, table.scales_name]
+            op = helper.make_node(OP_TYPE, inputs, [out], name=base, domain=OP_DOMAIN, **attrs)
+            return [op], 0 if plan.bias is None else plan.bias.nbytes
         qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
         op = Int4Node(
             base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, self.options.compute
@@ -274,6 +342,7 @@ def run_rewrite(
     summary = rewriter.summary
     summary.warnings.extend(dropped)
     rewriter.rewrite_graph(out.graph, None, "")
+    out.graph.initializer.extend(rewriter.tables.initializers)
 
     if rewriter.folded:
         folded_inputs = rewriter.folded & rewriter.overridable

@@ -22,12 +22,17 @@ Every rule returns one float32 scale per group; ``quantize`` then sets
   which ReLU/GELU/SiLU outputs make large, is what per-group rules leave to chance. Each
   candidate is also tried at its best step for that objective (scored with the codes that
   step rounds to).
-* ``"auto"`` (the default): ``balanced``; with calibration inputs (export ``feeds=``) the
-  exporter runs the model with every layer ``balanced`` and with every layer ``signed``
-  and keeps the rule whose outputs are closer to FP32 on those inputs
-  (``exporter.sensitivity.choose_rule``). No rule that differs from round-to-nearest can
+* ``"auto"`` (the default): ``balanced`` for groups of up to AUTO_BALANCED_MAX_GROUP
+  (32, the default group size) and ``signed`` for larger groups (``auto_rule``); with
+  calibration inputs (export ``feeds=``) the exporter runs the model with every layer under
+  each rule of ``AUTO_CHOICES`` (``balanced``, ``signed``, ``mse``) and keeps the rule whose
+  outputs are closer to FP32 on those inputs (``exporter.methods.calibrate``; under the
+  export's method). No rule that differs from round-to-nearest can
   be better on every model without looking at its inputs: the errors of different
-  layers add or cancel by chance (docs/accuracy.md).
+  layers add or cancel by chance (docs/accuracy.md). Why ``signed`` above group 32: on
+  two real pretrained LLMs (docs/real-llm.md) ``balanced`` and ``mse`` at group 128 clip
+  the large weights of a group, which such models need: their perplexity gap to FP32 was
+  1.7-2.1x round-to-nearest's, while at group 32 ``balanced`` was at or below it.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from __future__ import annotations
 import numpy as np
 
 SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
-# What "auto" means without calibration inputs, and the rules it chooses between with them.
+# What "auto" means without calibration inputs (up to AUTO_BALANCED_MAX_GROUP; "signed" above),
+# and the rules it chooses between with them.
 AUTO_RULE = "balanced"
-AUTO_CHOICES = ("balanced", "signed")
+AUTO_BALANCED_MAX_GROUP = 32
+AUTO_CHOICES = ("balanced", "signed", "mse")
 
 # Weight of the squared running error sum in the balanced rule's objective (per unit of the
 # squared error). Measured on 4096x4096 with 1% 10x outlier columns: 0.03, 0.1 and 0.25
@@ -60,6 +67,11 @@ def check_scale_rule(scale_rule: str) -> None:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
 
 
+def auto_rule(group_size: int) -> str:
+    """The rule "auto" uses without calibration inputs for groups of ``group_size`` weights."""
+    return AUTO_RULE if group_size <= AUTO_BALANCED_MAX_GROUP else "signed"
+
+
 def signed_extreme(blocks: np.ndarray) -> np.ndarray:
     """Per group (last axis) the value of largest magnitude, the positive one on a tie."""
     hi, lo = blocks.max(axis=-1), blocks.min(axis=-1)
@@ -69,12 +81,12 @@ def signed_extreme(blocks: np.ndarray) -> np.ndarray:
 def group_scales(blocks: np.ndarray, scale_rule: str) -> np.ndarray:
     """float32 scales [..., groups] for float32 ``blocks`` [..., groups, group_size] under ``scale_rule``."""
     check_scale_rule(scale_rule)
+    if scale_rule == "auto":
+        scale_rule = auto_rule(blocks.shape[-1])
     if scale_rule == "amax8":
         return (np.abs(blocks).max(axis=-1) / np.float32(8.0)).astype(np.float32)
     if scale_rule == "signed":
         return (signed_extreme(blocks) / np.float32(-8.0)).astype(np.float32)
-    if scale_rule == "auto":
-        scale_rule = AUTO_RULE
     if scale_rule == "balanced":
         return _balanced_scales(blocks)
     flat = blocks.reshape(-1, blocks.shape[-1])

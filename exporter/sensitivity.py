@@ -14,11 +14,15 @@ the dequantized INT4 weight of a layer there gives that layer's exact INT4 weigh
    runs (every other layer in INT4) finds the fewest that reach the target. Each probe is
    one run: every layer INT4, the guess, then at most ``ceil(log2(L + 1))`` more.
 
-With scale rule ``auto``, two runs before step 2 choose the rule (``choose_rule``): every
-layer INT4 with ``balanced``, then with ``signed`` (round-to-nearest, what MatMulNBits does);
-the one with the better *mean* cosine over the calibration rows quantizes every layer (the
-worst row of a small batch is too noisy to choose by). ``target_cosine=0`` stops there: no layer
-is kept FP32 and no per-layer run is made.
+Before step 2, ``exporter.methods.calibrate`` quantizes every layer: with scale rule or
+method ``auto`` it runs the model with every layer INT4 under each (method, rule) pair and
+keeps the pair with the better *mean* cosine over the calibration rows (the worst row of a
+small batch is too noisy to choose by); GPTQ and AWQ first gather each layer's input
+statistics (``exporter.calibration``). ``target_cosine=0`` stops after one run with every
+layer INT4: no layer is kept FP32 and no per-layer run is made.
+
+The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterable of dicts):
+every run goes over all of them, and cosines are taken per row of each.
 
 The exported model is then run once with CimInt4MatMul to report the cosine it reaches.
 Cosine (``cim_int4.metrics.worst_cosine``, with its rule for non-finite values): per float
@@ -32,34 +36,23 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from ..graphs.feeds import load_feeds
-from ..metrics import row_cosines, worst, worst_cosine
+from ..metrics import row_cosines, worst
 from ..ops.ort_model import proto_session
-from ..ops.reference import dequantize
 from ..ops.session import session_options
+from .calibration import feed_batches
+from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import probe_model
-from .quantize import QuantizedWeight, quantize_weight
+from .probe import Probe
+from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
 from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
 
 
 def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Calibration inputs from an ``.npz`` file (graphs.load_feeds) or a dict, checked against ``model``'s inputs."""
-    if isinstance(source, Mapping):
-        feeds, where = {k: np.asarray(v) for k, v in source.items()}, "feeds"
-    else:
-        feeds, where = load_feeds(source), str(source)
-    initializers = {t.name for t in model.graph.initializer}
-    needed = [i.name for i in model.graph.input if i.name not in initializers]
-    missing = [n for n in needed if n not in feeds]
-    unknown = [n for n in feeds if n not in {i.name for i in model.graph.input}]
-    if missing or unknown:
-        raise ValueError(f"{where}: model inputs {needed}; missing {missing}, not inputs of the model {unknown}")
-    return feeds
+    """One batch of calibration inputs from an ``.npz`` file or a dict, checked against ``model``'s inputs."""
+    return feed_batches(source, model)[0]
 
 
 def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
@@ -70,53 +63,52 @@ def _keep_reason(rank: int, count: int, layer: LayerSensitivity) -> str:
 
 
 def plan(
-    model: onnx.ModelProto, feeds: Feeds, options: ExportOptions
-) -> tuple[dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
-    """Which candidate layers to keep FP32 (key -> reason), every candidate's INT4 weight, and the report."""
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
+) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision]:
+    """The model to rewrite, the layers to keep FP32 (key -> reason), every candidate's INT4 weight, the report.
+
+    ``feeds``: one batch (a dict) or a sequence of batches. The model returned is ``model``, or
+    a copy with AWQ scales folded in when that method was chosen.
+    """
+    return _plan(model, feeds, options)[:4]
+
+
+def _plan(
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
+) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision, Probe]:
+    """``plan``, and the probe it ran (its FP32 outputs serve the exported model's check)."""
     target_cosine = options.target_cosine
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
-    probe, candidates = probe_model(model, options)
-    report = MixedPrecision(target_cosine=target_cosine)
+    batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
+    chosen = calibrate(model, batches, options)
+    probe, candidates, quantized = chosen.probe, chosen.probe.candidates, chosen.quantized
+    report = MixedPrecision(target_cosine=target_cosine, rule_choice=chosen.choice, awq_inputs=chosen.awq_inputs)
+    report.method = options.method
+    if chosen.calibration is not None:
+        report.calibration_runs = chosen.calibration.runs
+        report.calibration_bytes = chosen.calibration.state_bytes
     if not candidates:
-        return {}, {}, report
-    quiet = ort.SessionOptions()
-    quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-    session = proto_session(probe, quiet)
-
-    def quantize_all(rule: str) -> dict[str, QuantizedWeight]:
-        return {c.key: quantize_weight(c.w, options.group_size, rule) for c in candidates}
-
-    def cosines(int4_layers: Sequence[int], weights: Mapping[str, QuantizedWeight]) -> np.ndarray:
-        """Every output row's cosine vs FP32 with ``int4_layers`` INT4 (``weights``) and the rest FP32."""
-        report.runs += 1
-        int4 = {}
-        for i in int4_layers:
-            qw = weights[candidates[i].key]
-            int4[candidates[i].weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
-        return row_cosines(reference, session.run(None, {**feeds, **int4}))
+        return chosen.model, {}, {}, report, probe
 
     def run(int4_layers: Sequence[int]) -> float:
-        return worst(cosines(int4_layers, quantized))
+        return worst(probe.cosines(int4_layers, quantized))
 
-    reference = session.run(None, dict(feeds))
-    report.runs += 1
     everyone = range(len(candidates))
     cosine_at: dict[int, float] = {len(candidates): 1.0}  # keep-count (a prefix of `order`) -> cosine
-    if options.scale_rule == "auto":
-        tried = {rule: quantize_all(rule) for rule in AUTO_CHOICES}
-        rows = {rule: cosines(everyone, weights) for rule, weights in tried.items()}
-        report.rule_choice = choose_rule({rule: float(np.mean(c)) if c.size else 1.0 for rule, c in rows.items()})
-        quantized = tried[report.rule_choice.chosen]
-        cosine_at[0] = worst(rows[report.rule_choice.chosen])
-    else:
-        quantized = quantize_all(options.scale_rule)
+    if chosen.all_int4 is not None:
+        cosine_at[0] = worst(chosen.all_int4)
+
+    def finish() -> None:
+        report.runs = probe.runs + chosen.other_runs
+
     if target_cosine == 0.0:
         if 0 not in cosine_at:
             cosine_at[0] = run(everyone)
         report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
-        return {}, quantized, report
+        finish()
+        return chosen.model, {}, quantized, report, probe
     alone = [run([i]) for i in everyone]
     order = sorted(range(len(candidates)), key=lambda i: alone[i])  # most damaging first
     damage = [max(0.0, 1.0 - alone[i]) for i in order]
@@ -141,11 +133,12 @@ def plan(
     keep = {
         candidates[i].key: _keep_reason(rank + 1, len(order), report.layers[i]) for rank, i in enumerate(order[:hi])
     }
-    return keep, quantized, report
+    finish()
+    return chosen.model, keep, quantized, report, probe
 
 
 def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
-    """The RuleChoice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
+    """The choice for the mean output cosine of every rule in AUTO_CHOICES (every layer INT4)."""
     return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
@@ -153,16 +146,20 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
-    feeds = calibration_feeds(options.feeds, model)
-    keep, quantized, report = plan(model, feeds, options)
-    out, summary = rewrite_model(model, options, keep=keep, quantized=quantized)
+    batches = feed_batches(options.feeds, model)
+    chosen, keep, quantized, report, probe = _plan(model, batches, options)
+    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
+    del chosen
     summary.mixed_precision = report
     if report.rule_choice is not None:
         summary.scale_rule = f"auto: {report.rule_choice.chosen}"
+    elif options.method != "rtn" or options.scale_rule == "auto":
+        summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        fp32 = proto_session(model, session_options(pin=False))
         int4 = proto_session(out, session_options(pin=False))
-        report.cosine_exported = worst_cosine(fp32.run(None, dict(feeds)), int4.run(None, dict(feeds)))
+        # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
+        cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+        report.cosine_exported = worst(np.concatenate(cos))
     return out, summary
 
 

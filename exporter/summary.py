@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .scale_rules import AUTO_CHOICES
-
 
 @dataclass(frozen=True)
 class LayerSensitivity:
@@ -25,8 +23,8 @@ class RuleChoice:
 
     @property
     def chosen(self) -> str:
-        """The rule with the best cosine; on a tie the first of AUTO_CHOICES (balanced)."""
-        return max(AUTO_CHOICES, key=lambda rule: self.cosine[rule])
+        """The rule (or method/rule) with the best cosine; on a tie the first tried (AUTO_CHOICES order: balanced)."""
+        return max(self.cosine, key=lambda rule: self.cosine[rule])
 
 
 @dataclass
@@ -39,7 +37,11 @@ class MixedPrecision:
     cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
     cosine_exported: float | None = None  # the exported model, CimInt4MatMul
     runs: int = 0
-    rule_choice: RuleChoice | None = None  # scale rule "auto" only
+    rule_choice: RuleChoice | None = None  # scale rule or method "auto" only
+    method: str = "rtn"
+    calibration_runs: int = 0  # runs of the calibration pass (they also give the FP32 reference)
+    calibration_bytes: int = 0  # statistics held by the calibration pass
+    awq_inputs: int = 0  # layer inputs with an AWQ scale folded into their producer
 
     @property
     def int4_share(self) -> float:
@@ -58,9 +60,17 @@ class MixedPrecision:
                 f"{len(kept)} of {len(self.layers)} layer(s) kept in FP32"
             )
         lines = [f"{head} ({self.runs} model runs)"]
+        if self.calibration_runs:
+            lines.append(
+                f"    method {self.method}: calibration pass of {self.calibration_runs} run(s), "
+                f"{self.calibration_bytes / 2**20:.1f} MiB of X^T X statistics"
+                + (f"; AWQ scales folded at {self.awq_inputs} layer input(s)" if self.awq_inputs else "")
+            )
         if self.rule_choice is not None:
             tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
-            lines.append(f"    scale rule auto: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
+            named = {"rtn": "scale rule auto", "auto": "method auto"}
+            what = named.get(self.method, f"method {self.method}, rule auto")
+            lines.append(f"    {what}: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
         lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")

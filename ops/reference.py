@@ -1,4 +1,4 @@
-"""NumPy reference of the `CimInt4MatMul` op: the oracle for every kernel and compute mode.
+"""NumPy reference of the `CimInt4MatMul` and `CimInt4Gather` ops: the oracle for every kernel and compute mode.
 
 It reads the attribute format of ``cim_int4.contract`` (docs/contract.md); the byte order
 itself is pinned by tests that spell out bytes, not by a round trip.
@@ -141,3 +141,26 @@ def emulate(
     if bias is not None:
         acc = (acc + np.asarray(bias, dtype=np.float32)).astype(np.float32)
     return acc.reshape(*lead, n)
+
+
+def gather(packed: np.ndarray, scales: np.ndarray, indices: np.ndarray, k: int, group_size: int) -> np.ndarray:
+    """CimInt4Gather: float32 rows ``scale * (code - 8)`` of the table at ``indices`` (negative counts from the end).
+
+    ``packed`` uint8 [rows, K_padded/2] and ``scales`` float32 [rows, groups] are the same
+    format as CimInt4MatMul's (row = output channel). Each element is one float32 product, so
+    the op matches this to the bit. Raises IndexError for an index outside [-rows, rows-1].
+    """
+    packed = np.asarray(packed, dtype=np.uint8)
+    rows = packed.shape[0]
+    packed = packed.reshape(rows, -1)
+    scales = np.asarray(scales, dtype=np.float32).reshape(rows, -1)
+    indices = np.asarray(indices)
+    flat = indices.reshape(-1).astype(np.int64)
+    bad = (flat < -rows) | (flat >= rows)
+    if bad.any():
+        raise IndexError(f"index {flat[bad][0]} is outside [{-rows}, {rows - 1}]")
+    flat = np.where(flat < 0, flat + rows, flat)
+    q = unpack(packed[flat]).astype(np.float32)  # [count, K_padded]
+    per_element = np.repeat(scales[flat], group_size, axis=1)
+    y = (q * per_element)[:, :k]
+    return y.reshape(*indices.shape, k)

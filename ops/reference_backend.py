@@ -15,6 +15,10 @@ with three limits that shape this module:
   with an empty ``[K, 0]`` constant runs first and fails like any ORT node.
 * Ops are registered per process, by name: ``CimInt4MatMulReference`` is registered once and
   cannot clash with the library's ``CimInt4MatMul`` (domain ``dbhoo.cim``).
+
+A ``CimInt4Gather`` (int4 embedding) becomes an ONNX ``Gather`` on its table dequantized by
+``reference.gather`` (the same float32 products), and a ``CimInt4MatMul`` that reads its codes
+and scales as initializer inputs (a tied LM head) is read as if they were its attributes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from ..contract import COMPUTE_CONFIG, OP_DOMAIN, Int4Node, check_compute, is_op_node
+from ..contract import COMPUTE_CONFIG, GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, Int4Node, check_compute, is_op_node
 from . import reference
 from .ort_model import proto_session
 
@@ -128,6 +132,53 @@ def load_source(model: ModelSource) -> onnx.ModelProto:
         raise ValueError(f"{os.fspath(model)}: cannot read an ONNX model ({why})") from None
 
 
+def _initializer(initializers: dict[str, onnx.TensorProto], node: onnx.NodeProto, slot: int, role: str) -> np.ndarray:
+    name = node.input[slot] if len(node.input) > slot else ""
+    if name not in initializers:
+        raise ValueError(
+            f"{node.op_type} node '{node.name}': input {slot} '{role}' ({name!r}) must be a constant initializer "
+            "of the main graph"
+        )
+    return numpy_helper.to_array(initializers[name])
+
+
+def _int(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
+    value = next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+    if not isinstance(value, int):
+        raise ValueError(f"{node.op_type} node '{node.name}': attribute '{name}' is missing or not an int")
+    return value
+
+
+def with_table_attributes(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> onnx.NodeProto:
+    """A CimInt4MatMul that reads codes and scales as inputs, as the equivalent one-input node with attributes."""
+    if node.op_type != OP_TYPE or len(node.input) != 3:
+        return node
+    n = _int(node, "N")
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    del out.input[1:]
+    for slot, name in ((1, "packed"), (2, "scales")):
+        value = _initializer(initializers, node, slot, name)
+        value = value.reshape(n, -1) if n > 0 and value.size % n == 0 else value
+        out.attribute.append(helper.make_attribute(name, numpy_helper.from_array(value, name)))
+    return out
+
+
+def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> np.ndarray:
+    """The float32 table [rows, K] a CimInt4Gather node reads, dequantized by the reference."""
+    k, group_size = _int(node, "K"), _int(node, "group_size", 32)
+    packed = _initializer(initializers, node, 0, "packed")
+    scales = _initializer(initializers, node, 2, "scales")
+    groups = -(-k // group_size)
+    rows = packed.shape[0] if packed.ndim else 0
+    if packed.dtype != np.uint8 or packed.size != rows * groups * group_size // 2 or scales.size != rows * groups:
+        raise ValueError(
+            f"{GATHER_OP_TYPE} node '{node.name}': packed {list(packed.shape)} / scales {list(scales.shape)} do "
+            f"not hold [rows, {groups * group_size // 2}] codes and [rows, {groups}] scales for K={k}"
+        )
+    return reference.gather(packed.reshape(rows, -1), scales, np.arange(rows), k, group_size)
+
+
 def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose CimInt4MatMul nodes run the reference op (``compute`` overrides each node's mode)."""
     if compute is not None:
@@ -148,11 +199,20 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
 
     nodes: list[onnx.NodeProto] = []
     shape_checks: dict[int, str] = {}  # K -> name of its empty [K, 0] initializer
+    initializers = {t.name: t for t in graph.initializer}
+    tables: set[str] = set()  # int4 tables now held by the reference nodes (dropped when no node reads them)
     for node in graph.node:
+        if node.op_type == GATHER_OP_TYPE and node.domain == OP_DOMAIN:
+            table = fresh(f"{node.name or node.output[0]}.reference.table")
+            graph.initializer.append(numpy_helper.from_array(gather_table(node, initializers), table))
+            nodes.append(helper.make_node("Gather", [table, node.input[1]], list(node.output), name=node.name))
+            tables.update(node.input[0::2])
+            continue
         if not is_op_node(node):
             nodes.append(node)
             continue
-        w = Int4Node.from_node(node)
+        tables.update(node.input[1:])
+        w = Int4Node.from_node(with_table_attributes(node, initializers))
         prefix = f"{node.name or node.output[0]}.reference"
         if w.k not in shape_checks:
             shape_checks[w.k] = fresh(f"cim_int4.reference.empty_{w.k}x0")
@@ -179,6 +239,10 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
         )
     graph.ClearField("node")
     graph.node.extend(nodes)
+    read = {i for g in [graph] for n in g.node for i in n.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name not in tables - read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept)
     imports = [o for o in out.opset_import if o.domain not in (OP_DOMAIN, REFERENCE_DOMAIN)]
     out.ClearField("opset_import")
     out.opset_import.extend([*imports, helper.make_opsetid(REFERENCE_DOMAIN, 1)])

@@ -20,7 +20,7 @@ from cim_int4.ops import reference
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
-from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
 
 KERNEL_ENV = "CIM_INT4_KERNEL"
 # Unit roundoff of float32 (round to nearest).
@@ -155,9 +155,14 @@ def rng() -> np.random.Generator:
 
 
 def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
-    """``quantized`` with each CimInt4MatMul (any graph) as MatMul (+ Add) on its reference-dequantized weight."""
+    """``quantized`` with each CimInt4MatMul (any graph) as MatMul (+ Add) on its reference-dequantized weight.
+
+    A CimInt4Gather becomes a Gather on its reference-dequantized table; codes and scales are
+    read from attributes or, in the input form, from the main graph's initializers.
+    """
     out = onnx.ModelProto()
     out.CopyFrom(quantized)
+    tables = {t.name: t for t in out.graph.initializer}
     for graph in all_graphs(out.graph):
         nodes, inits = [], []
         for node in graph.node:
@@ -165,9 +170,19 @@ def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
                 nodes.append(node)
                 continue
             a = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
-            w = reference.dequantize(
-                numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), a["K"], a["group_size"]
-            )
+            if node.op_type == GATHER_OP_TYPE:
+                packed, scales = (numpy_helper.to_array(tables[node.input[i]]) for i in (0, 2))
+                rows = packed.shape[0]
+                table = reference.gather(packed, scales, np.arange(rows), a["K"], a["group_size"])
+                inits.append(numpy_helper.from_array(table, f"{node.name}.dequantized"))
+                nodes.append(helper.make_node("Gather", [f"{node.name}.dequantized", node.input[1]], [node.output[0]]))
+                continue
+            if len(node.input) == 3:
+                packed, scales = (numpy_helper.to_array(tables[node.input[i]]) for i in (1, 2))
+                packed = packed.reshape(a["N"], -1)
+            else:
+                packed, scales = numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"])
+            w = reference.dequantize(packed, scales.reshape(a["N"], -1), a["K"], a["group_size"])
             inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
             y = node.output[0]
             if "bias" in a:

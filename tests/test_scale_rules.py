@@ -163,3 +163,12 @@ def test_default_scale_rule_is_a_known_rule() -> None:
     assert DEFAULT_SCALE_RULE in SCALE_RULES
 
 
+def test_auto_without_feeds_is_balanced_up_to_group_32_and_signed_above(rng: np.random.Generator) -> None:
+    # Measured on real pretrained LLMs (docs/real-llm.md): balanced and mse clip the large weights
+    # of 128-weight groups, which those models need; at group 32 balanced is at least RTN.
+    from cim_int4.exporter.scale_rules import auto_rule
+
+    w = random_groups(rng, k=256, n=8)
+    for group, rule in [(16, "balanced"), (32, "balanced"), (64, "signed"), (128, "signed"), (256, "signed")]:
+        assert auto_rule(group) == rule
+        assert np.array_equal(quantize(w, group, "auto")[1], quantize(w, group, rule)[1]), group

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportError, export_with_summary
+from cim_int4.exporter.scale_rules import AUTO_CHOICES
 from cim_int4.exporter.sensitivity import RuleChoice, calibration_feeds, choose_rule
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from onnx import numpy_helper
@@ -78,8 +79,8 @@ def test_mixed_precision_reaches_a_target_plain_int4_misses(
     assert report.int4_share == pytest.approx(int4_bytes / sum(x.weight_bytes for x in report.layers))
     text = summary.format()
     assert f"int4 share of weight bytes: {report.int4_share:.1%}" in text and f"target output cosine {TARGET}" in text
-    # One reference run, one per layer, every-layer-INT4, the guess, then a bisection.
-    assert report.runs <= 1 + candidates + 2 + math.ceil(math.log2(candidates + 1))
+    # One reference run, one per rule "auto" compares (every layer INT4), one per layer, the guess, a bisection.
+    assert report.runs <= 1 + len(AUTO_CHOICES) + candidates + 1 + math.ceil(math.log2(candidates + 1))
 
 
 def test_plain_int4_that_meets_the_target_keeps_nothing(llama: onnx.ModelProto, calibration) -> None:
@@ -89,20 +90,22 @@ def test_plain_int4_that_meets_the_target_keeps_nothing(llama: onnx.ModelProto, 
 
 
 def test_auto_rule_keeps_the_better_rule_and_balanced_on_a_tie() -> None:
-    assert choose_rule({"balanced": 0.98, "signed": 0.99, "mse": 1.0}).chosen == "signed"  # only its choices count
-    assert choose_rule({"balanced": 0.99, "signed": 0.98}).chosen == "balanced"
-    assert RuleChoice({"balanced": 0.5, "signed": 0.5}).chosen == "balanced"
+    # only its choices count (mse among them)
+    assert choose_rule({"balanced": 0.98, "signed": 0.99, "mse": 0.97, "amax8": 1.0}).chosen == "signed"
+    assert choose_rule({"balanced": 0.98, "signed": 0.97, "mse": 0.99}).chosen == "mse"
+    assert choose_rule({"balanced": 0.99, "signed": 0.98, "mse": 0.98}).chosen == "balanced"
+    assert RuleChoice({"balanced": 0.5, "signed": 0.5, "mse": 0.5}).chosen == "balanced"
 
 
 def test_auto_rule_with_feeds_exports_the_rule_it_measured_best(llama: onnx.ModelProto, calibration) -> None:
     q, summary = export_with_summary(llama, feeds=calibration, target_cosine=0.0)
     report = summary.mixed_precision
     choice = report.rule_choice
-    assert report.runs == 3 and not any(x.kept for x in report.layers)  # reference + one run per rule
+    assert report.runs == 1 + len(AUTO_CHOICES) and not any(x.kept for x in report.layers)  # reference + one per rule
     assert f"scale rule auto: {choice.chosen}" in summary.format()
     # The choice is the mean cosine of the exported model's outputs, each rule measured the same way.
     reference = outputs(llama, calibration)
-    forced = {rule: export_with_summary(llama, scale_rule=rule)[0] for rule in ("balanced", "signed")}
+    forced = {rule: export_with_summary(llama, scale_rule=rule)[0] for rule in AUTO_CHOICES}
     for rule, model in forced.items():
         measured = float(np.mean(row_cosines(reference, outputs(model, calibration))))
         assert choice.cosine[rule] == pytest.approx(measured, abs=1e-5)

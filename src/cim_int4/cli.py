@@ -1,4 +1,4 @@
-"""The ``cim-int4`` command: export, validate, demo, bench, tune."""
+"""The ``cim-int4`` command: export, validate, demo, bench, serve, tune."""
 
 from __future__ import annotations
 
@@ -16,15 +16,18 @@ from .exporter import (
     NothingToQuantize,
     export_int4,
 )
-from .exporter.options import DEFAULT_TARGET_COSINE
+from .exporter.options import CALIBRATED, DEFAULT_METHOD, DEFAULT_TARGET_COSINE, METHODS
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
+from .serving import commands as serving
 
 
 def export_options(args: argparse.Namespace) -> ExportOptions:
     """The ExportOptions of ``cim-int4 export``'s flags: each flag whose ``dest`` is a field name (None: default)."""
     if args.target_cosine is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
+    if getattr(args, "method", None) in CALIBRATED and args.feeds is None:
+        raise ValueError(f"--method {args.method} needs --feeds DATA.npz (the calibration inputs it learns from)")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
     # None means "not given" except for fold_input_initializers, where None is a value (warn).
     keep = {name: v for name, v in given.items() if v is not None or name == "fold_input_initializers"}
@@ -52,7 +55,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _genai(args: argparse.Namespace) -> int:
     from .genai import prepare
 
-    prepare(args.folder, args.output, compute=args.compute, group_size=args.group_size, quiet=args.quiet)
+    prepare(
+        args.folder,
+        args.output,
+        compute=args.compute,
+        group_size=args.group_size,
+        quiet=args.quiet,
+        keep_embedding=args.keep_embedding,
+    )
     return 0
 
 
@@ -167,8 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-rule",
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
-        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced, or signed where --feeds "
-        "show it closer to FP32; docs/accuracy.md)",
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}: balanced up to group 32, signed above; "
+        "with --feeds the rule closest to FP32 on them; docs/accuracy.md, docs/real-llm.md)",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help=f"how weights are rounded given --feeds (default {DEFAULT_METHOD}): rtn, gptq, awq, awq+gptq, or auto "
+        "(the best of them on the feeds); all but rtn and auto need --feeds; docs/methods.md",
     )
     p.add_argument(
         "--compute",
@@ -197,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fold-input-initializers leaves them FP32)",
     )
     p.add_argument("--simplify", action="store_true", help="run onnxsim first (pip install 'cim-int4[simplify]')")
+    p.add_argument(
+        "--keep-embedding",
+        action="store_true",
+        help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
+        "a tied LM head shares its int4 tensors (docs/embeddings.md)",
+    )
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
@@ -218,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
     group_help = "group size when the folder's model is FP32 and gets exported"
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    p.add_argument(
+        "--keep-embedding", action="store_true", help="when exported: leave the token embedding FP32 (see export)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_genai)
 
@@ -273,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_validate)
 
+    from . import perplexity
+
+    p = sub.add_parser("perplexity", help="perplexity, KL and top-1 agreement of causal LMs vs a reference on a text")
+    perplexity.add_arguments(p)
+    p.set_defaults(func=perplexity.run)
+
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
     from .demo import add_arguments as demo_arguments
 
@@ -284,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="latency of FP32 ORT, ORT MatMulNBits and CimInt4MatMul, with bandwidth")
     bench.add_arguments(p)
     p.set_defaults(func=bench.run)
+
+    p = sub.add_parser("serve", help="serve a model over HTTP on Ray Serve (pip install 'cim-int4[serve]')")
+    serving.add_serve_arguments(p)
+    p.set_defaults(func=serving.run_serve)
+
+    p = sub.add_parser("bench-serve", help="requests/s and latency through Ray Serve vs one plain process")
+    serving.add_bench_arguments(p)
+    p.set_defaults(func=serving.run_bench)
 
     from . import tune_cli
 
@@ -310,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToQuantize as e:
         print(f"cim-int4: {e}", file=sys.stderr)
         return 3
-    except (ExportError, ValueError, MissingPlotting, ReferenceBackendUnavailable) as e:
+    except (ExportError, ValueError, MissingPlotting, ReferenceBackendUnavailable, serving.MissingServe) as e:
         print(f"cim-int4: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -46,6 +46,8 @@ from onnx import helper, numpy_helper
 OP_DOMAIN = "dbhoo.cim"
 OP_TYPE = "CimInt4MatMul"
 OP_VERSION = 1
+# The int4 row gather (token embeddings, docs/embeddings.md): same domain and version, same codes/scales.
+GATHER_OP_TYPE = "CimInt4Gather"
 # Session config entry that sets the compute mode of every node of a session.
 COMPUTE_CONFIG = "cim_int4.compute"
 COMPUTE_MODES = ("fp32", "int8")

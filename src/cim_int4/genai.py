@@ -55,7 +55,7 @@ def copy_folder(src: Path, dst: Path, skip: set[Path]) -> None:
     )
 
 
-def _rewrite(path: Path, output: Path, compute: str, group_size: int) -> tuple[bool, str]:
+def _rewrite(path: Path, output: Path, compute: str, group_size: int, keep_embedding: bool) -> tuple[bool, str]:
     """Write the model at ``path`` with CimInt4MatMul nodes to ``output``; (False if nothing to do, what was done)."""
     try:
         return True, convert_file(path, output, compute=compute, quiet=True, external_data=True).format()
@@ -64,7 +64,7 @@ def _rewrite(path: Path, output: Path, compute: str, group_size: int) -> tuple[b
             return False, str(e)
     model = load_model(path)
     try:
-        quantized, summary = export_with_summary(model, group_size=group_size)
+        quantized, summary = export_with_summary(model, group_size=group_size, keep_embedding=keep_embedding)
     except NothingToQuantize as e:
         return False, str(e)
     del model  # the quantized model is all that is needed now
@@ -89,11 +89,13 @@ def prepare(
     compute: str = "auto",
     group_size: int = 32,
     quiet: bool = False,
+    keep_embedding: bool = False,
 ) -> Path:
     """Write a copy of the genai model folder ``source`` that runs CimInt4MatMul; return the new folder.
 
     Each ONNX model the config names is converted (MatMulNBits, see ``from_matmulnbits``;
-    ``compute`` as there) or else exported from FP32 (``export_int4``, ``group_size``). The
+    ``compute`` as there) or else exported from FP32 (``export_int4``, ``group_size``,
+    ``keep_embedding``). The
     op library is copied into the folder and named in each changed model's session options.
     ``output`` (default ``<source>-cim-int4``) must not exist; ``source`` is only read.
     """
@@ -123,7 +125,7 @@ def prepare(
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
             (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
-            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size)
+            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size, keep_embedding)
             reports.append(f"{filename} (model.{name}):\n{report}")
             if not rewritten:
                 continue

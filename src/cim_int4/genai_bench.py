@@ -53,11 +53,15 @@ def load(folder: str | os.PathLike, threads: int | None = None):
     return og.Model(config)
 
 
-def greedy(model, prompt: Sequence[int], steps: int) -> Generation:
-    """Greedy-decode ``steps`` new tokens after ``prompt`` with a loaded genai ``model``; EOS cannot end it early."""
+def greedy(model, prompt: Sequence[int], steps: int, capacity: int = 0) -> Generation:
+    """Greedy-decode ``steps`` new tokens after ``prompt`` with a loaded genai ``model``; EOS cannot end it early.
+
+    ``capacity``: KV-cache length at least (genai sizes it by max_length); Gemma 3's sliding-window
+    attention needs its window (512).
+    """
     og = _genai()
     params = og.GeneratorParams(model)
-    length = len(prompt) + steps
+    length = max(len(prompt) + steps, capacity)
     # min_length masks EOS, so every variant decodes exactly `steps` tokens.
     params.set_search_options(do_sample=False, max_length=length, min_length=length)
     generator = og.Generator(model, params)
@@ -66,7 +70,7 @@ def greedy(model, prompt: Sequence[int], steps: int) -> Generation:
     generator.generate_next_token()
     tokens = [int(generator.get_next_tokens()[0])]
     t1 = time.perf_counter()
-    while not generator.is_done():
+    while len(tokens) < steps:
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))
     t2 = time.perf_counter()

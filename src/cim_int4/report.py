@@ -134,3 +134,29 @@ def plot_by_depth(
     ax.legend()
     ax.set_title(title)
     fig.savefig(path, dpi=110)
+
+
+def plot_lines(
+    path: str | os.PathLike,
+    panels: Sequence[tuple[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]]],
+    xlabel: str,
+    title: str,
+    log_y: bool = False,
+) -> None:
+    """Panels side by side, each (y-axis label, series name -> (x values, y values)) drawn as lines with markers.
+
+    A series name keeps its colour across panels.
+    """
+    fig = _figure(6 * len(panels), 5)
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
+    for ax, (ylabel, series) in zip(axes, panels, strict=True):
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", label=name)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)

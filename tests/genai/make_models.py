@@ -9,7 +9,9 @@ genai model builder offline: ``llama-fp32`` (FP32 MatMul) and ``llama-int4`` (Ma
 
 ``--size tinyllama`` makes a TinyLlama-1.1B-shaped model for timing (not for committing):
 hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads, a 32000-token vocabulary,
-2048 positions; ``--accuracy-level 0 4`` builds one int4 folder per level
+2048 positions; ``--tied`` ties the LM head to the token embedding (folders ``llama-tied-*``:
+the builder's int4 then reads one tensor from GatherBlockQuantized and MatMulNBits);
+``--accuracy-level 0 4`` builds one int4 folder per level
 (``llama-int4-acc0``, ``llama-int4-acc4``); ``--checkpoint DIR`` keeps the checkpoint
 (and reuses it on the next run).
 """
@@ -60,7 +62,7 @@ def corpus(lines: int = 4000, seed: int = 0, words: int = 1500) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(rng.randint(4, 12))) + "." for _ in range(lines)]
 
 
-def make_checkpoint(out: Path, size: Size = SIZES["tiny"]) -> None:
+def make_checkpoint(out: Path, size: Size = SIZES["tiny"], tied: bool = False) -> None:
     """Random-init Llama + tokenizer of ``size``, saved with save_pretrained into ``out``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -90,7 +92,7 @@ def make_checkpoint(out: Path, size: Size = SIZES["tiny"]) -> None:
         initializer_range=0.1,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).eval().save_pretrained(out)
 
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--precision", nargs="+", choices=["fp32", "int4"], default=["fp32", "int4"])
     parser.add_argument("--accuracy-level", type=int, nargs="+", help="int4 folders llama-int4-accN, one per level")
+    parser.add_argument("--tied", action="store_true", help="tie the LM head to the embedding (llama-tied-* folders)")
     parser.add_argument("--checkpoint", type=Path, help="keep the checkpoint here; reused if it has a config.json")
     args = parser.parse_args()
     size = SIZES[args.size]
@@ -123,10 +126,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = args.checkpoint or Path(tmp) / "checkpoint"
         if not (src / "config.json").is_file():
-            make_checkpoint(src, size)
-        builds = [(p, None, f"llama-{p}") for p in args.precision if p != "int4" or not args.accuracy_level]
+            make_checkpoint(src, size, args.tied)
+        stem = "llama-tied" if args.tied else "llama"
+        builds = [(p, None, f"{stem}-{p}") for p in args.precision if p != "int4" or not args.accuracy_level]
         if "int4" in args.precision:
-            builds += [("int4", level, f"llama-int4-acc{level}") for level in args.accuracy_level or []]
+            builds += [("int4", level, f"{stem}-int4-acc{level}") for level in args.accuracy_level or []]
         for precision, level, name in builds:
             out = args.out / name
             shutil.rmtree(out, ignore_errors=True)

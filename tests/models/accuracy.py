@@ -10,7 +10,9 @@ rounded. Every column is measured on the same ``--batches`` evaluation batches (
 the case's batch 0, with other seeds), run in ONNX Runtime with CimInt4MatMul: the mean
 and the worst cosine (and the mean rel L2) of the final outputs vs FP32 over every batch row.
 Batch 0 (the stored .npz of a transformer) is the calibration batch of ``auto``, which
-sees it and not the evaluation batches. One batch of 4 rows decides little: between two
+sees it and not the evaluation batches; the column ``method auto`` is ``export_int4(method="auto")``
+on the same batch (round-to-nearest, GPTQ or AWQ under every rule, chosen on held-out rows of it).
+One batch of 4 rows decides little: between two
 rules the worst row of one batch moves by +-0.003 with the batch on these decoders.
 tests/test_accuracy.py runs the small cases.
 """
@@ -34,6 +36,7 @@ from cim_int4.metrics import row_cosines, row_rel_l2
 
 MODELS = Path(__file__).parent
 BATCHES = 8  # evaluation batches per case
+METHOD_AUTO = "method auto"  # the column of export_int4(method="auto", scale_rule="auto") with feeds
 VOCAB = 512  # token ids are drawn below it, as make_models.py draws them
 
 Feeds = dict[str, np.ndarray]
@@ -126,9 +129,10 @@ class Row:
     worst: dict[str, float]
     rel_l2: dict[str, float]  # mean
     auto_chose: str | None = None  # the rule "auto" chose on the calibration batch
+    method_chose: str | None = None  # the (method/rule) "method auto" chose there
 
 
-def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BATCHES) -> Row:
+def measure(case: Case, rules: tuple[str, ...] = (*SCALE_RULES, METHOD_AUTO), batches: int = BATCHES) -> Row:
     """Quantize ``case`` with every rule and MatMulNBits, same layers, and measure the outputs against FP32."""
     model = case.model()
     calibration = case.feeds(model, 0)
@@ -139,7 +143,7 @@ def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BAT
     # Nodes MatMulNBits left as MatMul/Gemm stay FP32 in ours too (it quantizes MatMul only).
     left = [n.name for n in nbits.graph.node if n.op_type in ("MatMul", "Gemm") and n.name]
     cosine, worst, rel = {}, {}, {}
-    layers, chose = 0, None
+    layers, chose, method_chose = 0, None, None
 
     def score(column: str, quantized: onnx.ModelProto) -> None:
         session = _session(quantized)
@@ -149,20 +153,27 @@ def measure(case: Case, rules: tuple[str, ...] = SCALE_RULES, batches: int = BAT
         rel[column] = float(np.concatenate([row_rel_l2(r, o) for r, o in zip(reference, outs, strict=True)]).mean())
 
     for rule in rules:
-        calibrated = {"feeds": calibration, "target_cosine": 0.0} if rule == "auto" else {}
-        quantized, summary = export_with_summary(model, scale_rule=rule, exclude=left, **calibrated)
+        calibrated = {"feeds": calibration, "target_cosine": 0.0} if rule in ("auto", METHOD_AUTO) else {}
+        if rule == METHOD_AUTO:
+            calibrated["method"] = "auto"
+        # The embedding stays FP32, as MatMulNBits leaves it: the columns differ only in the MatMuls.
+        quantized, summary = export_with_summary(
+            model, scale_rule="auto" if rule == METHOD_AUTO else rule, exclude=left, keep_embedding=True, **calibrated
+        )
         if rule == "auto":
             chose = summary.mixed_precision.rule_choice.chosen
+        if rule == METHOD_AUTO:
+            method_chose = summary.mixed_precision.rule_choice.chosen
         layers = len(summary.rewritten)
         score(rule, quantized)
     score("MatMulNBits", nbits)
     quantized_nbits = sum(n.op_type == "MatMulNBits" for n in nbits.graph.node)
     if quantized_nbits != layers:
         raise AssertionError(f"{case.name}: MatMulNBits quantized {quantized_nbits} nodes, cim-int4 {layers}")
-    return Row(case.name, layers, cosine, worst, rel, chose)
+    return Row(case.name, layers, cosine, worst, rel, chose, method_chose)
 
 
-def markdown(rows: list[Row], rules: tuple[str, ...] = SCALE_RULES) -> str:
+def markdown(rows: list[Row], rules: tuple[str, ...] = (*SCALE_RULES, METHOD_AUTO)) -> str:
     """The docs/accuracy.md table: mean output cosine (worst row) [mean rel L2] per rule, MatMulNBits last."""
     cols = [*rules, "MatMulNBits"]
     lines = [
@@ -173,6 +184,8 @@ def markdown(rows: list[Row], rules: tuple[str, ...] = SCALE_RULES) -> str:
         cells = [f"{r.cosine[c]:.5f} ({r.worst[c]:.5f}) [{r.rel_l2[c]:.3f}]" for c in cols]
         if "auto" in cols and r.auto_chose:
             cells[cols.index("auto")] += f" {r.auto_chose}"
+        if METHOD_AUTO in cols and r.method_chose:
+            cells[cols.index(METHOD_AUTO)] += f" {r.method_chose}"
         lines.append(f"| {r.case} | {r.layers} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,12 +1,12 @@
 // CimInt4MatMul for ONNX Runtime: schema, attribute validation, repack at kernel
-// creation, compute split over ORT's intra-op thread pool. The only exported symbol is
-// RegisterCustomOps (exports.map); every C++ exception becomes an OrtStatus here.
+// creation, compute split over ORT's intra-op thread pool; and the op domain (this op and
+// CimInt4Gather, gather_op.cpp). The only exported symbol is RegisterCustomOps
+// (exports.map); every C++ exception becomes an OrtStatus here.
 #include <onnxruntime_c_api.h>
 
 #include <malloc.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,12 +16,12 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cim_int4_contract.h"
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "op/gather_op.h"
 #include "op/ort_support.h"
 #include "tune/profile.h"
 
@@ -29,22 +29,7 @@ namespace {
 
 using namespace cim_op;  // NOLINT: the wrapper is written in terms of its ORT plumbing
 
-// The oldest ORT C API with everything used here (KernelContext_ParallelFor,
-// shape inference callbacks, CreateKernelV2): onnxruntime 1.17.
-constexpr uint32_t kMinOrtApi = 17;
-constexpr const char* kMinOrtRelease = "1.17";
 
-// How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
-// pool, which the C API does not tell a kernel. When the session pins its pool
-// (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
-// readable from C API 24), that count; else the machine's CPUs (not the calling thread's
-// affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
-// on a smaller pool run one after another and cost nothing.
-int64_t parallel_ranges(const SessionConfig& config) {
-  const std::string affinities = config.get("session.intra_op_thread_affinities");
-  if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 // Per-call scratch (int8 A, or a copy of a misaligned A): allocated and freed within the
 // call. A thread_local buffer would live as long as ORT's threads and, having a destructor,
@@ -97,21 +82,41 @@ class Kernel {
     int8_ = compute == "int8";  // the one mode besides the default fp32
 
     const int64_t groups = (K + group_size - 1) / group_size;
-    {
+    const int64_t row_bytes = groups * group_size / 2;
+    ValuePtr bias;
+    if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    const float* bias_data = bias ? data_of<float>(bias.get()) : nullptr;
+    const size_t inputs = attrs.input_count();
+    if (inputs == 3) {
+      // Codes and scales as constant initializers (a table shared with a CimInt4Gather, say):
+      // ORT keeps them; the stream below is our own copy, made once here.
+      if (attrs.has("packed") || attrs.has("scales")) {
+        attrs.fail("has inputs 'packed' and 'scales' and also attributes of those names; give one or the other");
+      }
+      const OrtValue* packed =
+          attrs.constant_input(1, "packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
+                               {{N, row_bytes}, {N, groups, group_size / 2}},
+                               "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
+      const OrtValue* scales = attrs.constant_input(2, "scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32",
+                                                    {{N, groups}, {N * groups}}, "[N, ceil(K/group_size)]");
+      const std::string problem =
+          storage_.build(K, N, group_size, data_of<uint8_t>(packed), data_of<float>(scales), bias_data);
+      if (!problem.empty()) attrs.fail(problem);
+    } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
       // the model plus one node's copies, and afterwards we hold only our repacked stream.
       ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
                                      "[N, ceil(K/group_size)]");
-      ValuePtr bias;
-      if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
-      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
-                                     {N, groups * group_size / 2},
+      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8", {N, row_bytes},
                                      "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
       const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
-                                                 data_of<float>(scales.get()),
-                                                 bias ? data_of<float>(bias.get()) : nullptr);
+                                                 data_of<float>(scales.get()), bias_data);
       if (!problem.empty()) attrs.fail(problem);
+    } else {
+      attrs.fail("has " + std::to_string(inputs) +
+                 " inputs, expected 1 (A, with attributes 'packed' and 'scales') or 3 (A, packed, scales)");
     }
+    bias.reset();
 #if defined(__GLIBC__)
     // The attribute copies are gone; glibc keeps freed blocks of this size in its heap
     // (its mmap threshold grows with each large free), so hand the pages back: a
@@ -260,76 +265,30 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
       check(g_api->ReadOpAttr(k_attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_OP_TYPE ": attribute 'K'");
     }
 
-    // The context owns this info (ORT's own wrappers never release it): no TypeShapePtr.
-    OrtTensorTypeAndShapeInfo* in = nullptr;
-    check(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &in), CIM_OP_TYPE ": input A");
-    size_t rank = 0;
-    check(g_api->GetDimensionsCount(in, &rank), CIM_OP_TYPE ": input A");
-    if (rank == 0) throw OpError(CIM_OP_TYPE ": input A must have rank >= 1, got a scalar");
-    std::vector<int64_t> dims(rank);
-    check(g_api->GetDimensions(in, dims.data(), rank), CIM_OP_TYPE ": input A");
-    std::vector<const char*> symbols(rank, nullptr);
-    check(g_api->GetSymbolicDimensions(in, symbols.data(), rank), CIM_OP_TYPE ": input A");
+    auto [dims, names] = inferred_input(ctx, 0, CIM_OP_TYPE ": input A");
+    if (dims.empty()) throw OpError(CIM_OP_TYPE ": input A must have rank >= 1, got a scalar");
     if (K > 0 && dims.back() >= 0 && dims.back() != K) {
       throw OpError(std::string(CIM_OP_TYPE ": input A has last dimension ") + std::to_string(dims.back()) +
                     ", expected K=" + std::to_string(K));
     }
-    // The symbol strings belong to `in`; copy them before building the output.
-    // ORT turns a dimension with neither a value nor a symbol into the value -1 (and
-    // then warns at run time that -1 != the real size); a fresh symbol keeps it unknown.
-    static std::atomic<uint64_t> unknown_count{0};
-    std::vector<std::string> names(rank);
-    for (size_t i = 0; i + 1 < rank; ++i) {
-      if (symbols[i] != nullptr && symbols[i][0] != '\0') {
-        names[i] = symbols[i];
-      } else if (dims[i] < 0) {
-        names[i] = "cim_int4_unk_" + std::to_string(unknown_count.fetch_add(1));
-      }
-    }
     dims.back() = N;
-    std::vector<const char*> out_symbols(rank);
-    for (size_t i = 0; i < rank; ++i) out_symbols[i] = names[i].c_str();
-
-    OrtTensorTypeAndShapeInfo* out_raw = nullptr;
-    check(g_api->CreateTensorTypeAndShapeInfo(&out_raw), CIM_OP_TYPE ": output Y");
-    TypeShapePtr out(out_raw);
-    check(g_api->SetTensorElementType(out.get(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT), CIM_OP_TYPE ": output Y");
-    check(g_api->SetDimensions(out.get(), dims.data(), rank), CIM_OP_TYPE ": output Y");
-    check(g_api->SetSymbolicDimensions(out.get(), out_symbols.data(), rank), CIM_OP_TYPE ": output Y");
-    check(g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out.get()), CIM_OP_TYPE ": output Y");
+    names.back().clear();
+    set_float_output(ctx, dims, names, CIM_OP_TYPE ": output Y");
   });
 }
 
 OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  // The struct layout we fill is that of kMinOrtApi; newer ORT reads it as such.
-  op.version = kMinOrtApi;
+  OrtCustomOp op = custom_op_base<Kernel>();
   op.GetName = [](const OrtCustomOp*) { return CIM_OP_TYPE; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernel = nullptr;
-  op.KernelCompute = nullptr;
-  op.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
-    *kernel = nullptr;
-    return guarded([&] { *kernel = new Kernel(info); });
+  // A, then optionally packed and scales as constant initializers (else attributes).
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   };
-  op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
-    return guarded([&] { static_cast<const Kernel*>(kernel)->compute(context); });
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   op.InferOutputShapeFn = &infer_shape;
-  op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
   return op;
 }
 
@@ -355,6 +314,7 @@ OrtCustomOpDomain* the_domain() {
     check(g_api->CreateCustomOpDomain(CIM_OP_DOMAIN, &raw), "creating op domain " CIM_OP_DOMAIN);
     std::unique_ptr<OrtCustomOpDomain, DomainDeleter> owned(raw);
     check(g_api->CustomOpDomain_Add(raw, &the_op()), "adding " CIM_OP_TYPE);
+    check(g_api->CustomOpDomain_Add(raw, &gather_op()), "adding " CIM_GATHER_OP_TYPE);
     return owned;
   }();
   return domain.get();

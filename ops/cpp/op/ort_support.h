@@ -5,6 +5,10 @@
 
 #include <onnxruntime_c_api.h>
 
+#include "cim_int4_contract.h"
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -12,9 +16,16 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace cim_op {
+
+// The oldest ORT C API with everything used here (KernelContext_ParallelFor,
+// shape inference callbacks, CreateKernelV2, KernelInfoGetConstantInput_tensor):
+// onnxruntime 1.17.
+constexpr uint32_t kMinOrtApi = 17;
+constexpr const char* kMinOrtRelease = "1.17";
 
 // Set once, by the first RegisterCustomOps call (std::call_once: kernels of other sessions
 // may be reading them while later calls register the library again).
@@ -79,14 +90,117 @@ inline std::string dims_str(const std::vector<int64_t>& dims) {
   return s.str();
 }
 
+// A tensor's element type and shape.
+struct TensorInfo {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> dims;
+};
+
+inline TensorInfo tensor_info(const OrtValue* value, const std::string& what) {
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  check(g_api->GetTensorTypeAndShape(value, &raw), what);
+  TypeShapePtr info(raw);
+  TensorInfo out;
+  size_t rank = 0;
+  check(g_api->GetTensorElementType(info.get(), &out.type), what);
+  check(g_api->GetDimensionsCount(info.get(), &rank), what);
+  out.dims.resize(rank);
+  check(g_api->GetDimensions(info.get(), out.dims.data(), rank), what);
+  return out;
+}
+
+// Input `index` in shape inference: its dimensions and their names. The symbol strings belong to
+// the context's info, so they are copied. ORT turns a dimension with neither a value nor a symbol
+// into the value -1 (and then warns at run time that -1 != the real size); a fresh symbol keeps
+// it unknown.
+struct InferredShape {
+  std::vector<int64_t> dims;
+  std::vector<std::string> names;  // "" where the dimension has a value
+};
+
+inline InferredShape inferred_input(OrtShapeInferContext* ctx, size_t index, const std::string& what) {
+  // The context owns this info (ORT's own wrappers never release it): no TypeShapePtr.
+  OrtTensorTypeAndShapeInfo* in = nullptr;
+  check(g_api->ShapeInferContext_GetInputTypeShape(ctx, index, &in), what);
+  size_t rank = 0;
+  check(g_api->GetDimensionsCount(in, &rank), what);
+  InferredShape out;
+  out.dims.resize(rank);
+  check(g_api->GetDimensions(in, out.dims.data(), rank), what);
+  std::vector<const char*> symbols(rank, nullptr);
+  check(g_api->GetSymbolicDimensions(in, symbols.data(), rank), what);
+  static std::atomic<uint64_t> unknown_count{0};
+  out.names.resize(rank);
+  for (size_t i = 0; i < rank; ++i) {
+    if (symbols[i] != nullptr && symbols[i][0] != '\0') {
+      out.names[i] = symbols[i];
+    } else if (out.dims[i] < 0) {
+      out.names[i] = "cim_int4_unk_" + std::to_string(unknown_count.fetch_add(1));
+    }
+  }
+  return out;
+}
+
+// Sets output 0 in shape inference: float32 with `dims`, dimension i named `names[i]` ("" for none).
+inline void set_float_output(OrtShapeInferContext* ctx, const std::vector<int64_t>& dims,
+                             const std::vector<std::string>& names, const std::string& what) {
+  std::vector<const char*> symbols(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) symbols[i] = names[i].c_str();
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  check(g_api->CreateTensorTypeAndShapeInfo(&raw), what);
+  TypeShapePtr out(raw);
+  check(g_api->SetTensorElementType(out.get(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT), what);
+  check(g_api->SetDimensions(out.get(), dims.data(), dims.size()), what);
+  check(g_api->SetSymbolicDimensions(out.get(), symbols.data(), dims.size()), what);
+  check(g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out.get()), what);
+}
+
 // Reads the node's attributes for one kernel; every message names node and attribute.
 class AttributeReader {
  public:
-  AttributeReader(const OrtKernelInfo* info, std::string node) : info_(info), node_(std::move(node)) {
+  AttributeReader(const OrtKernelInfo* info, std::string node, const char* op_type = CIM_OP_TYPE)
+      : info_(info), node_(std::move(node)), op_type_(op_type) {
     check(g_api->GetAllocatorWithDefaultOptions(&allocator_), where() + "getting an allocator");
   }
 
-  std::string where() const { return std::string(CIM_OP_TYPE " node '") + node_ + "': "; }
+  std::string where() const { return std::string(op_type_) + " node '" + node_ + "': "; }
+
+  // How many inputs the node has (omitted optional inputs at the end not counted).
+  size_t input_count() const {
+    size_t count = 0;
+    check(g_api->KernelInfo_GetInputCount(info_, &count), where() + "counting inputs");
+    return count;
+  }
+
+  // Input `index` (called `name`), which must be a constant initializer of the given element
+  // type with one of the `shapes`. ORT owns the value; it lives as long as the session.
+  const OrtValue* constant_input(size_t index, const char* name, ONNXTensorElementDataType type,
+                                 const char* type_name, const std::vector<std::vector<int64_t>>& shapes,
+                                 const char* layout) const {
+    std::string expected = std::string(type_name) + " tensor ";
+    for (size_t i = 0; i < shapes.size(); ++i) expected += (i ? " or " : "") + dims_str(shapes[i]);
+    expected += std::string(" (") + layout + ")";
+    int is_constant = 0;
+    const OrtValue* value = nullptr;
+    if (OrtStatus* s = g_api->KernelInfoGetConstantInput_tensor(info_, index, &is_constant, &value)) {
+      std::string why = g_api->GetErrorMessage(s);
+      g_api->ReleaseStatus(s);
+      fail(std::string("input ") + std::to_string(index) + " '" + name + "' cannot be read (ORT: " + why + ")");
+    }
+    if (!is_constant || value == nullptr) {
+      fail(std::string("input ") + std::to_string(index) + " '" + name +
+           "' must be a constant initializer (not a graph input or a computed tensor); expected " + expected);
+    }
+    const auto [got_type, got] = tensor_info(value, where() + "reading input " + name);
+    if (got_type != type) {
+      fail(std::string("input '") + name + "' has element type " + std::to_string(int(got_type)) +
+           " (ONNX TensorProto enum), expected " + expected);
+    }
+    for (const auto& shape : shapes) {
+      if (got == shape) return value;
+    }
+    fail(std::string("input '") + name + "' has shape " + dims_str(got) + ", expected " + expected);
+  }
 
   [[noreturn]] void fail(const std::string& msg) const { throw OpError(where() + msg); }
 
@@ -154,15 +268,7 @@ class AttributeReader {
            why + ")");
     }
     ValuePtr value(raw);
-    OrtTensorTypeAndShapeInfo* info_raw = nullptr;
-    check(g_api->GetTensorTypeAndShape(value.get(), &info_raw), where() + "reading attribute " + name);
-    TypeShapePtr info(info_raw);
-    ONNXTensorElementDataType got_type;
-    size_t rank = 0;
-    check(g_api->GetTensorElementType(info.get(), &got_type), where() + name);
-    check(g_api->GetDimensionsCount(info.get(), &rank), where() + name);
-    std::vector<int64_t> got(rank);
-    check(g_api->GetDimensions(info.get(), got.data(), rank), where() + name);
+    const auto [got_type, got] = tensor_info(value.get(), where() + "reading attribute " + name);
     if (got_type != type) {
       fail(std::string("attribute '") + name + "' has element type " + std::to_string(int(got_type)) +
            " (ONNX TensorProto enum), expected " + expected);
@@ -176,13 +282,15 @@ class AttributeReader {
  private:
   const OrtKernelInfo* info_;
   std::string node_;
+  const char* op_type_;
   OrtAllocator* allocator_ = nullptr;
 };
 
 template <typename T>
-const T* data_of(OrtValue* v) {
+const T* data_of(const OrtValue* v) {
+  // The C API has no const accessor in older releases; the data is only read.
   void* p = nullptr;
-  check(g_api->GetTensorMutableData(v, &p), "reading attribute data");
+  check(g_api->GetTensorMutableData(const_cast<OrtValue*>(v), &p), "reading tensor data");
   return static_cast<const T*>(p);
 }
 
@@ -235,5 +343,49 @@ class SessionConfig {
   GetKeyValueFn get_value_ = nullptr;
   Owned entries_{nullptr, nullptr};
 };
+
+// How many contiguous ranges a call is split into: ideally one per thread of ORT's intra-op
+// pool, which the C API does not tell a kernel. When the session pins its pool
+// (`session.intra_op_thread_affinities`, one entry per pool thread besides the caller,
+// readable from C API 24), that count; else the machine's CPUs (not the calling thread's
+// affinity: the caller may be pinned to one CPU while the pool runs on all). Extra ranges
+// on a smaller pool run one after another and cost nothing.
+inline int64_t parallel_ranges(const SessionConfig& config) {
+  const std::string affinities = config.get("session.intra_op_thread_affinities");
+  if (!affinities.empty()) return 2 + std::count(affinities.begin(), affinities.end(), ';');
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// The fields every op of this library fills the same way: CPU, one float32 output, kernels
+// of type Kernel (made from the kernel info, run by compute(context)), exceptions turned into
+// an OrtStatus. The struct layout filled is that of kMinOrtApi; newer ORT reads it as such.
+// The caller adds the name, the inputs and the shape inference.
+template <typename Kernel>
+OrtCustomOp custom_op_base() {
+  OrtCustomOp op{};
+  op.version = kMinOrtApi;
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernel = nullptr;
+  op.KernelCompute = nullptr;
+  op.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+    *kernel = nullptr;
+    return guarded([&] { *kernel = new Kernel(info); });
+  };
+  op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
+    return guarded([&] { static_cast<const Kernel*>(kernel)->compute(context); });
+  };
+  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
+  op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
+  return op;
+}
 
 }  // namespace cim_op

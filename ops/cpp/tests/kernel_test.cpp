@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cim_int4_contract.h"
+#include "kernels/gather.h"
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
 
@@ -442,6 +443,52 @@ std::vector<Shape> shapes() {
 
 }  // namespace
 
+// gather_rows against the format's definition, one float32 product per element, with the
+// codes, the scales and the output each ending at a guard page (odd K reads half a byte of
+// the last code byte; the last row of the table is always gathered).
+int64_t check_gather(std::mt19937_64& rng) {
+  int64_t failures = 0;
+  const int64_t rows = 37;
+  for (int64_t group_size : {16, 32, 64, 128, 256}) {
+    for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640)}) {
+      const int64_t groups = (K + group_size - 1) / group_size;
+      const int64_t row_bytes = groups * group_size / 2;
+      GuardedBuffer codes(static_cast<size_t>(rows * row_bytes));
+      GuardedBuffer scales(static_cast<size_t>(rows * groups) * sizeof(float));
+      for (int64_t i = 0; i < rows * row_bytes; ++i) codes.as<uint8_t>()[i] = static_cast<uint8_t>(rng());
+      std::normal_distribution<float> normal(0.0f, 0.05f);
+      for (int64_t i = 0; i < rows * groups; ++i) scales.as<float>()[i] = normal(rng);
+      const std::vector<int64_t> picks = {rows - 1, 0, 5, rows - 1, 17};
+      const int64_t count = static_cast<int64_t>(picks.size());
+      GuardedBuffer out(static_cast<size_t>(count * K) * sizeof(float));
+      cim::Int4Table t;
+      t.packed = codes.as<uint8_t>();
+      t.scales = scales.as<float>();
+      t.rows = rows;
+      t.K = K;
+      t.group_size = group_size;
+      t.groups = groups;
+      std::snprintf(g_running, sizeof g_running, "gather_rows K=%" PRId64 " group_size=%" PRId64, K, group_size);
+      cim::gather_rows(t, picks.data(), 0, count, out.as<float>());
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t k = 0; k < K; ++k) {
+          const uint8_t byte = t.packed[picks[i] * row_bytes + k / 2];
+          const int code = k % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+          const float want = t.scales[picks[i] * groups + k / group_size] * static_cast<float>(code - 8);
+          if (!same_bits(out.as<float>()[i * K + k], want)) {
+            std::printf("FAIL gather_rows K=%" PRId64 " group_size=%" PRId64 " row %" PRId64 " k=%" PRId64 "\n", K,
+                        group_size, picks[i], k);
+            ++failures;
+            break;
+          }
+        }
+      }
+    }
+  }
+  std::printf("gather_rows %" PRId64 " failures\n", failures);
+  return failures;
+}
+
 int main() {
   // Name the case when a guard page stops a kernel (this replaces ASan's handler too).
   struct sigaction on_fault = {};
@@ -483,7 +530,7 @@ int main() {
       }
     }
   }
-  int64_t failures = accuracy[0].failures + accuracy[1].failures;
+  int64_t failures = accuracy[0].failures + accuracy[1].failures + check_gather(rng);
   for (int mi = 0; mi < 2; ++mi) {
     std::printf("portable    %s %5" PRId64 " shapes, %" PRId64 " failed, worst error / bound = %.4f\n",
                 kModes[mi].name, accuracy[mi].cases, accuracy[mi].failures, accuracy[mi].worst_ratio);

@@ -1,0 +1,143 @@
+"""Int4 embeddings: a Gather on a constant 2-D float table becomes CimInt4Gather; a tied LM head shares its tensors.
+
+A token embedding is ``Gather(table [rows, K], indices)`` along axis 0. Its table is
+quantized exactly as a CimInt4MatMul weight ``W = table.T`` ([K, N=rows]) would be (same
+scale rule, group size, packing), so the codes/scales pair is the same bytes in both views:
+``packed`` uint8 [rows, K_padded/2] and ``scales`` float32 [rows, groups], row r = output
+channel r. The pair is written once as two initializers; CimInt4Gather reads them as
+inputs, and a MatMul/Gemm whose weight equals ``table.T`` (an LM head tied to the embedding,
+whether through the same initializer behind a Transpose or a stored copy) reads the same two
+initializers as inputs instead of holding attributes of its own. See docs/embeddings.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..contract import GATHER_OP_TYPE, OP_DOMAIN
+from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
+from .operands import Ineligible
+from .options import ExportOptions
+from .quantize import QuantizedWeight, quantize_weight
+
+
+class NotATable(Exception):
+    """A Gather whose data is not a constant (an ordinary Gather on activations or shapes): not reported."""
+
+
+@dataclass
+class Table:
+    """One constant embedding table: its float32 value [rows, K], the names it was read through, its int4 form."""
+
+    key: str  # the Gather's data input name
+    value: np.ndarray
+    sources: list[str]
+    bytes_before: int
+    quantized: QuantizedWeight | None = None
+    packed_name: str = ""
+    scales_name: str = ""
+
+    @property
+    def name(self) -> str:
+        """The initializer (or Constant) the table comes from, for names and messages."""
+        return self.sources[0] if self.sources else self.key
+
+    @property
+    def bytes_after(self) -> int:
+        assert self.quantized is not None
+        return self.quantized.packed.nbytes + self.quantized.scales.nbytes
+
+
+def is_gather(node: onnx.NodeProto) -> bool:
+    """True for an ONNX Gather node (default domain)."""
+    return node.op_type == "Gather" and node.domain in DEFAULT_DOMAINS
+
+
+def plan_gather(node: onnx.NodeProto, scope: Scope, options: ExportOptions) -> Table:
+    """The table of a Gather on a constant float32 2-D table along axis 0; else Ineligible (why) or NotATable."""
+    data = node.input[0]
+    if not scope.is_constant(data):
+        raise NotATable(data)
+    try:
+        folded = scope.resolve(data, "table")
+    except NotFoldable as why:
+        raise Ineligible(str(why)) from None
+    if folded.elem_type != onnx.TensorProto.FLOAT:
+        if folded.elem_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):
+            dtype = onnx.TensorProto.DataType.Name(folded.elem_type)
+            raise Ineligible(f"table {data!r} is {dtype}; only FLOAT tables are quantized")
+        raise NotATable(data)  # an int table (shapes, ids): not an embedding
+    table = folded.value
+    if table.ndim != 2:
+        raise Ineligible(f"table {data!r} has shape {list(table.shape)}; only 2-D tables are quantized")
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    if axis not in (0, -2):
+        raise Ineligible(f"gathers along axis {axis}; only rows (axis 0) are quantized")
+    rows, k = table.shape
+    if k < options.group_size:
+        raise Ineligible(f"rows of {k} values are shorter than group_size={options.group_size}")
+    if table.size < options.min_size:
+        raise Ineligible(f"table has {table.size} elements, fewer than min_size={options.min_size}")
+    if not np.all(np.isfinite(table)):
+        raise Ineligible("table has NaN or infinite values")
+    return Table(data, np.ascontiguousarray(table, dtype=np.float32), list(folded.names), folded.value.nbytes)
+
+
+class Tables:
+    """The embedding tables of one rewrite, each quantized once and written as two initializers of the main graph."""
+
+    def __init__(
+        self, options: ExportOptions, fresh: Callable[[str], str], write: Callable[[onnx.TensorProto], None] | None
+    ) -> None:
+        self.options = options
+        self.fresh = fresh
+        self.write = write
+        self.tables: list[Table] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def add(self, table: Table) -> Table:
+        """Register ``table`` (the same data name again returns the one registered first)."""
+        for known in self.tables:
+            if known.key == table.key:
+                return known
+        self.tables.append(table)
+        return table
+
+    def tied(self, w: np.ndarray) -> Table | None:
+        """The table whose transpose is exactly ``w`` [K, N] (a tied LM head), or None."""
+        for table in self.tables:
+            if table.value.shape == w.shape[::-1] and np.array_equal(table.value.T, w):
+                return table
+        return None
+
+    def quantize(self, table: Table) -> QuantizedWeight:
+        """``table``'s int4 form, made (and its two initializers written) on first use."""
+        if table.quantized is None:
+            qw = quantize_weight(table.value.T, self.options.group_size, self.options.scale_rule)
+            table.quantized = qw
+            table.packed_name = self.fresh(f"{table.name}/int4_packed")
+            table.scales_name = self.fresh(f"{table.name}/int4_scales")
+            for array, name in ((qw.packed, table.packed_name), (qw.scales, table.scales_name)):
+                tensor = numpy_helper.from_array(array, name)
+                if self.write is not None:
+                    self.write(tensor)  # streamed to the output now
+                self.initializers.append(tensor)
+        return table.quantized
+
+    def gather_node(self, node: onnx.NodeProto, table: Table) -> onnx.NodeProto:
+        """The CimInt4Gather replacing ``node``."""
+        qw = self.quantize(table)
+        return helper.make_node(
+            GATHER_OP_TYPE,
+            [table.packed_name, node.input[1], table.scales_name],
+            [node.output[0]],
+            name=node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
+            domain=OP_DOMAIN,
+            K=qw.k,
+            group_size=qw.group_size,
+        )

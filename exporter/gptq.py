@@ -1,0 +1,187 @@
+"""GPTQ in NumPy: round each weight column in turn and push its error onto the columns not yet rounded.
+
+For a weight ``W`` [K, N] (``y = x @ W``) and the calibration inputs' ``H = sum x x^T`` [K, K],
+GPTQ (Frantar et al., 2022, the optimal-brain-quantization sweep) minimises the layer's
+output error ``||x (W - Q)||^2 = tr((W - Q)^T H (W - Q))`` greedily: input channels k are
+taken in order; channel k's row of every output channel is rounded, and its rounding error,
+divided by ``U[k, k]``, is spread over the rows after it along ``U[k, k+1:]``, where ``U`` is
+the upper Cholesky factor of ``H^-1`` (the inverse Hessian restricted to the channels left).
+
+Details, as in the reference implementation:
+
+* dampening: ``H + damp * mean(diag H) * I`` (keeps ``H`` invertible; ``damp`` -> inf is RTN);
+  channels that were zero on every calibration row get ``H[k, k] = 1`` (their rounding then
+  moves nothing else: plain round-to-nearest there);
+* lazy block updates: inside a block of ``block`` channels the spread is done column by
+  column; the rest of the weight is updated once per block with one matrix product;
+* groups: a group's scale is chosen (by the export's scale rule) when the sweep reaches its
+  first channel, from the weights as the sweep has updated them (groups found on the fly);
+* ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
+  scale is chosen first, from the original weights, so the groups stay the op's contiguous K
+  groups whatever the order).
+
+Output channels are independent given ``H``: they are swept in blocks of rows to bound memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .quantize import QuantizedWeight, pack
+from .scale_rules import group_scales
+
+DEFAULT_DAMP = 0.01
+DEFAULT_BLOCK = 128
+# Output channels swept at once (float32 rows of K_padded).
+_ROW_BLOCK_BYTES = 32 << 20
+
+
+def _rounded(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Codes of ``w`` at ``scale`` (the contract's rounding: scale 0 gives 0)."""
+    safe = np.where(scale != 0, scale, np.float32(1.0))
+    return np.clip(np.rint(w / safe), -8, 7)
+
+
+def _lower_inverse(lower: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular matrix, by halves (``n^3 / 3`` flops in matrix products; NumPy has no trtri)."""
+    n = len(lower)
+    if n <= 128:
+        return np.linalg.inv(lower)
+    h = n // 2
+    a, c, b = lower[:h, :h], lower[h:, :h], lower[h:, h:]
+    ai, bi = _lower_inverse(a), _lower_inverse(b)
+    out = np.zeros_like(lower)
+    out[:h, :h], out[h:, h:] = ai, bi
+    out[h:, :h] = -(bi @ (c @ ai))
+    return out
+
+
+def upper_inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
+    """Upper ``U`` with ``U^T U = (H + damp * mean(diag H) * I)^-1``; channels never seen get ``H[k, k] = 1``.
+
+    With ``J`` the reversal, ``J H J = L L^T`` gives ``H^-1 = (J L^-1 J)^T (J L^-1 J)``, and
+    ``J L^-1 J`` is upper triangular: one Cholesky and one triangular inverse.
+    """
+    h = np.array(h, dtype=np.float64)
+    diag = np.diagonal(h).copy()
+    dead = diag <= 0
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1
+    mean = float(np.mean(np.diagonal(h)))
+    for attempt in range(8):
+        damped = h + (damp * 10**attempt) * mean * np.eye(len(h))
+        try:
+            lower = np.linalg.cholesky(damped[::-1, ::-1])
+        except np.linalg.LinAlgError:
+            continue
+        return _lower_inverse(lower)[::-1, ::-1].copy()
+    raise np.linalg.LinAlgError("H is not positive definite even with 10^7 times the dampening")
+
+
+@dataclass(frozen=True)
+class Factor:
+    """What GPTQ needs of a layer input's ``H``: the sweep order and ``U`` in that order (shared by its readers)."""
+
+    k: int
+    perm: np.ndarray  # input channels (K padded to whole groups) in sweep order
+    u: np.ndarray  # float32 upper [Kp, Kp]
+
+
+def factor(xtx: np.ndarray, group_size: int, damp: float = DEFAULT_DAMP, act_order: bool = False) -> Factor:
+    """The Factor of ``xtx`` = sum of x x^T [K, K] over the calibration rows, K padded to whole groups."""
+    k = len(xtx)
+    kp = -(-k // group_size) * group_size
+    h = np.zeros((kp, kp))
+    h[:k, :k] = xtx
+    perm = np.argsort(-np.diagonal(h), kind="stable") if act_order else np.arange(kp)
+    return Factor(k, perm, upper_inverse_cholesky(h[np.ix_(perm, perm)], damp).astype(np.float32))
+
+
+def gptq_quantize(
+    w: np.ndarray,
+    xtx: np.ndarray | Factor,
+    group_size: int,
+    scale_rule: str,
+    *,
+    damp: float = DEFAULT_DAMP,
+    block: int = DEFAULT_BLOCK,
+    act_order: bool = False,
+) -> QuantizedWeight:
+    """GPTQ of a float ``[K, N]`` weight given ``xtx`` = sum of x x^T [K, K] on the calibration rows (or its Factor)."""
+    w = np.asarray(w, dtype=np.float32)
+    k, n = w.shape
+    f = xtx if isinstance(xtx, Factor) else factor(xtx, group_size, damp, act_order)
+    if f.k != k or len(f.u) % group_size:
+        raise ValueError(f"H is for K={f.k} in groups of {len(f.u)}, the weight has K={k}, group_size={group_size}")
+    groups = -(-k // group_size)
+    kp = groups * group_size
+    perm, u = f.perm, f.u
+    static = not np.array_equal(perm, np.arange(kp))
+    # The block holds whole groups, so a group's scale is chosen from weights the block has updated.
+    block = max(group_size, block - block % group_size)
+    packed = np.empty((n, kp // 2), dtype=np.uint8)
+    scales = np.empty((n, groups), dtype=np.float32)
+    step = max(1, _ROW_BLOCK_BYTES // (4 * kp))
+    for r0 in range(0, n, step):
+        wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
+        wt[:, :k] = w[:, r0 : r0 + step].T
+        s = group_scales(wt.reshape(len(wt), groups, group_size), scale_rule) if static else None
+        q, s = _sweep(wt[:, perm], u, perm, group_size, scale_rule, block, s)
+        codes = np.empty_like(q)
+        codes[:, perm] = q
+        packed[r0 : r0 + step] = pack(codes.astype(np.int8))
+        scales[r0 : r0 + step] = s
+    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)
+
+
+def _sweep(
+    wt: np.ndarray,
+    u: np.ndarray,
+    perm: np.ndarray,
+    group_size: int,
+    scale_rule: str,
+    block: int,
+    static: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [rows, Kp] (swept order) and scales [rows, groups] for rows ``wt`` [rows, Kp] in swept order."""
+    rows, kp = wt.shape
+    scales = static if static is not None else np.zeros((rows, kp // group_size), dtype=np.float32)
+    q = np.empty((rows, kp), dtype=np.float32)
+    for i1 in range(0, kp, block):
+        i2 = min(i1 + block, kp)
+        w1 = wt[:, i1:i2].copy()
+        err1 = np.empty_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = perm[col] // group_size
+            if static is None and col % group_size == 0:
+                scales[:, g] = group_scales(w1[:, None, i : i + group_size], scale_rule)[:, 0]
+            s = scales[:, g]
+            c = w1[:, i]
+            qc = _rounded(c, s)
+            q[:, col] = qc
+            e = (c - qc * s) / u1[i, i]
+            w1[:, i + 1 :] -= np.outer(e, u1[i, i + 1 :])
+            err1[:, i] = e
+        wt[:, i2:] -= err1 @ u[i1:i2, i2:]
+    return q, scales
+
+
+def weighted_error(w: np.ndarray, qw: QuantizedWeight, xtx: np.ndarray) -> float:
+    """The layer's output error on the calibration rows, ``tr(E^T H E)`` with ``E = dequantized - w``."""
+    from ..ops.reference import dequantize
+
+    w = np.asarray(w, dtype=np.float64)
+    total = 0.0
+    step = max(1, _ROW_BLOCK_BYTES // (8 * max(1, len(w))))
+    for n0 in range(0, qw.n, step):
+        part = QuantizedWeight(
+            qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step]
+        )
+        e = dequantize(part.packed, part.scales, qw.k, qw.group_size) - w[:, n0 : n0 + step]
+        total += float(np.einsum("kn,kn->", xtx @ e, e))
+    return total
