@@ -126,6 +126,21 @@ def available_kernels() -> tuple[str, ...]:
     return names
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_kernel_tuning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Sessions made by the tests neither tune the kernels (time, and a transient stream twice
+    # the last-level cache) nor read or write the user's profile; test_tune.py turns it back on.
+    saved = {name: os.environ.get(name) for name in ("CIM_INT4_TUNE", "CIM_INT4_PROFILE")}
+    os.environ["CIM_INT4_TUNE"] = "off"
+    os.environ["CIM_INT4_PROFILE"] = str(tmp_path_factory.mktemp("profile") / "kernel-profile.json")
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def _restore_affinity() -> Iterator[None]:
     # Tests may narrow the process's CPU mask (make_session no longer does); each starts with all of them.

@@ -1,4 +1,4 @@
-"""The ``cim-int4`` command: export, validate, demo, bench, serve."""
+"""The ``cim-int4`` command: export, validate, demo, bench, serve, tune."""
 
 from __future__ import annotations
 
@@ -324,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-serve", help="requests/s and latency through Ray Serve vs one plain process")
     serving.add_bench_arguments(p)
     p.set_defaults(func=serving.run_bench)
+
+    from . import tune_cli
+
+    p = sub.add_parser("tune", help="time the kernel variants on this CPU and save the fastest to the per-CPU profile")
+    tune_cli.add_arguments(p)
+    p.set_defaults(func=tune_cli.run)
     return parser
 
 

@@ -58,4 +58,11 @@ const KernelTable* select_kernels(const char* name, const char** available) {
   return nullptr;
 }
 
+const KernelVariant* KernelTable::find_variant(const char* wanted) const {
+  for (int i = 0; i < variant_count; ++i) {
+    if (std::strcmp(variants[i].name, wanted) == 0) return &variants[i];
+  }
+  return nullptr;
+}
+
 }  // namespace cim

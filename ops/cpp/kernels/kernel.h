@@ -85,12 +85,30 @@ using MatMulFn = void (*)(const MatMulArgs& args, int64_t tile_begin, int64_t ti
 using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
                              float* scale, int32_t* zsum);
 
+// The two compute modes, as indices into KernelVariant::matmul and KernelTable::defaults.
+enum Mode : int { kFp32 = 0, kInt8 = 1 };
+constexpr const char* kModeNames[2] = {"fp32", "int8"};
+
+// One set of decode (M = 1) parameters of a table: software prefetch distance and hint,
+// tiles in flight, vector width (variants.h). The best set differs by core, so each
+// machine picks its own (tune/); every variant gives the same bits, and M > 1 runs the
+// table's one prefill in all of them.
+struct KernelVariant {
+  const char* name;        // e.g. "t4-pf6k", "ymm-t4-nopf" (variants.h)
+  MatMulFn matmul[2];      // [kFp32]: FP32 activations; [kInt8]: int8 activations (args.QA set)
+};
+
 // One table per instruction set, filled in the translation unit compiled for it.
 struct KernelTable {
-  const char* name;     // "portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni"
-  MatMulFn matmul_fp32;  // FP32 activations
-  MatMulFn matmul_int8;  // int8 activations (args.QA set)
+  const char* name;  // "portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni"
+  const KernelVariant* variants;
+  int variant_count;
+  int defaults[2];  // the variant each mode runs untuned, per Mode
   QuantizeAFn quantize_a;
+
+  const KernelVariant& default_variant(Mode mode) const { return variants[defaults[mode]]; }
+  // The variant called `name`, or nullptr.
+  const KernelVariant* find_variant(const char* name) const;
 };
 
 // The portable C++ kernels: the scalar oracle beside every SIMD path.

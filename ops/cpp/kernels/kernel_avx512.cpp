@@ -1,14 +1,14 @@
-// The avx512 kernel table: tile_kernels.h instantiated with Avx512<false> traits. Only this
-// file is compiled with its -m flags (CMakeLists.txt); dispatch.cpp calls in here only
+// The avx512 kernel table: tile_kernels.h's variants (variants.h) over Avx512 traits and
+// their ymm form (Avx2 traits, EVEX-encoded with AVX-512 VL). Only this file is compiled with its -m flags (CMakeLists.txt); dispatch.cpp calls in here only
 // after CPUID and XCR0 say the CPU and OS run them.
-#include "kernels/simd_avx512.h"
-#include "kernels/tile_kernels.h"
+#include "kernels/simd_avx512.h"  // first: it includes immintrin.h without GCC 12's false warnings
+#include "kernels/simd_avx2.h"
+#include "kernels/variants.h"
 
 namespace cim {
 
 const KernelTable& avx512_kernels() {
-  using K = TileKernels<Avx512<false>>;
-  static const KernelTable table{"avx512", K::matmul_fp32, K::matmul_int8, K::quantize_a};
+  static const KernelTable table = make_table<Avx512<false>, Avx2<Dot::kMaddubs>>("avx512");
   return table;
 }
 

@@ -1,14 +1,15 @@
-// The avx512_vnni kernel table: tile_kernels.h instantiated with Avx512<true> traits. Only this
-// file is compiled with its -m flags (CMakeLists.txt); dispatch.cpp calls in here only
-// after CPUID and XCR0 say the CPU and OS run them.
-#include "kernels/simd_avx512.h"
-#include "kernels/tile_kernels.h"
+// The avx512_vnni kernel table: tile_kernels.h's variants (variants.h) over Avx512 traits
+// and their ymm form (Avx2 traits with EVEX vpdpbusd). Only this file is compiled with its
+// -m flags (CMakeLists.txt); dispatch.cpp calls in here only after CPUID and XCR0 say the
+// CPU and OS run them.
+#include "kernels/simd_avx512.h"  // first: it includes immintrin.h without GCC 12's false warnings
+#include "kernels/simd_avx2.h"
+#include "kernels/variants.h"
 
 namespace cim {
 
 const KernelTable& avx512_vnni_kernels() {
-  using K = TileKernels<Avx512<true>>;
-  static const KernelTable table{"avx512_vnni", K::matmul_fp32, K::matmul_int8, K::quantize_a};
+  static const KernelTable table = make_table<Avx512<true>, Avx2<Dot::kAvx512Vnni>>("avx512_vnni");
   return table;
 }
 

@@ -151,7 +151,8 @@ void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t til
 }
 
 const KernelTable& portable_kernels() {
-  static const KernelTable table{"portable", matmul_fp32_portable, matmul_int8_portable, quantize_a_portable};
+  static const KernelVariant variants[] = {{"portable", {matmul_fp32_portable, matmul_int8_portable}}};
+  static const KernelTable table{"portable", variants, 1, {0, 0}, quantize_a_portable};
   return table;
 }
 

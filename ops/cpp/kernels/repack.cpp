@@ -25,22 +25,6 @@ void* aligned_bytes(int64_t bytes) {
   return p;
 }
 
-// The weight stream: decode reads it once per call, front to back, at DRAM speed. On 4 KiB
-// pages that is a TLB miss every 64 cache lines, and hardware prefetchers stop at each
-// page; a stream of several MiB starts on a 2 MiB boundary and asks for transparent huge
-// pages (only whole 2 MiB pages inside it become huge: no memory is added).
-constexpr int64_t kHugePage = int64_t(1) << 21;
-
-void* stream_bytes(int64_t bytes) {
-  if (bytes < 2 * kHugePage) return aligned_bytes(bytes);
-  void* p = std::aligned_alloc(kHugePage, static_cast<size_t>(round_up(bytes, kAlign)));
-  if (p == nullptr) throw std::bad_alloc();
-#if defined(MADV_HUGEPAGE)
-  madvise(p, static_cast<size_t>(bytes / kHugePage * kHugePage), MADV_HUGEPAGE);  // advice only: ignore failure
-#endif
-  return p;
-}
-
 uint8_t code_at(const uint8_t* row, int64_t k) {
   const uint8_t byte = row[k / 2];
   return (k % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
@@ -89,6 +73,23 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, const uin
 
 }  // namespace
 
+// The weight stream: decode reads it once per call, front to back, at DRAM speed. On 4 KiB
+// pages that is a TLB miss every 64 cache lines, and hardware prefetchers stop at each
+// page; a stream of several MiB starts on a 2 MiB boundary and asks for transparent huge
+// pages (only whole 2 MiB pages inside it become huge: no memory is added).
+constexpr int64_t kHugePage = int64_t(1) << 21;
+
+void* allocate_stream(int64_t bytes) {
+  if (bytes < 2 * kHugePage) return aligned_bytes(bytes);
+  // aligned_alloc wants a size that is a multiple of the alignment (ASan enforces it).
+  void* p = std::aligned_alloc(kHugePage, static_cast<size_t>(round_up(bytes, kHugePage)));
+  if (p == nullptr) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+  madvise(p, static_cast<size_t>(bytes / kHugePage * kHugePage), MADV_HUGEPAGE);  // advice only: ignore failure
+#endif
+  return p;
+}
+
 void PackedStorage::FreeDeleter::operator()(void* p) const { std::free(p); }
 
 bool is_supported_group_size(int64_t g) {
@@ -106,7 +107,7 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
   const int64_t rows_per_group = group_size / 8;
   const int64_t block_bytes = rows_per_group * kCodeRowBytes + kTileN * int64_t(sizeof(float));
   stream_bytes_ = tiles * groups * block_bytes;
-  stream_.reset(static_cast<uint8_t*>(stream_bytes(stream_bytes_)));
+  stream_.reset(static_cast<uint8_t*>(allocate_stream(stream_bytes_)));
 
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t g = 0; g < groups; ++g) {

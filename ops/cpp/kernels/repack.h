@@ -38,6 +38,10 @@ class PackedStorage {
   PackedWeights w_;
 };
 
+// Memory for a weight stream of `bytes` (64-byte aligned; from 4 MiB on, 2 MiB aligned
+// and advised to use transparent huge pages). Free it with std::free.
+void* allocate_stream(int64_t bytes);
+
 // True for the group sizes the op accepts (contract::kGroupSizes, from src/cim_int4/contract.py).
 bool is_supported_group_size(int64_t group_size);
 

@@ -1,4 +1,5 @@
-// SIMD traits for tile_kernels.h: AVX2 + FMA, with or without AVX-VNNI.
+// SIMD traits for tile_kernels.h: AVX2 + FMA, with or without AVX-VNNI; also the 256-bit
+// form of the AVX-512 paths (AVX-512 VL, VNNI on ymm), for cores that split zmm work in two.
 // Include only from a translation unit compiled with the matching -m flags.
 #pragma once
 
@@ -9,17 +10,18 @@
 namespace cim {
 namespace {
 
-template <bool kVnni>
+// How the int8 dot product of 4 u8 x s8 pairs per lane is formed on ymm.
+enum class Dot {
+  kMaddubs,     // vpmaddubsw + vpmaddwd (AVX2)
+  kAvxVnni,     // vpdpbusd, VEX (AVX-VNNI)
+  kAvx512Vnni,  // vpdpbusd, EVEX (AVX-512 VNNI + VL)
+};
+
+template <Dot kDot>
 struct Avx2 {
   static constexpr int kLanes = 8;  // a tile of 16 channels is two vectors
   using F = __m256;
   using I = __m256i;
-  // M = 1: a whole strip (4 tiles, 8 chains), so the stream is read once, front to back.
-  // That needs more than the 16 ymm registers in fp32 mode (the compiler keeps some sums
-  // in L1), yet measured no slower there than 2 tiles at a time, and int8 mode runs
-  // 1.6x faster than with 2 (16 cold 4096x4096 layers, 1 thread: 47-56% -> 78-80% of the
-  // read bandwidth; reading each strip in two passes, 2 tiles each, fetched it twice).
-  static constexpr int kDecodeTiles = 4;
   // Prefill: blocks of rows x 1 tile; the row count measured per mode (4 x 4096x4096,
   // M = 128, 1 thread; rows 2 / 3 / 4 / 6): fp32 38.6 / 46.8 / 51.7 / 57.9 GMAC/s,
   // int8 (AVX-VNNI) 140 / 155 / 150 / 137, more row sums than registers costing less in
@@ -82,8 +84,10 @@ struct Avx2 {
 
   // acc + sum of 4 products u8 x s8 per 32-bit lane (see simd_avx512.h for the bounds).
   static I dot4(I acc, I u8, I s8) {
-    if constexpr (kVnni) {
+    if constexpr (kDot == Dot::kAvxVnni) {
       return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+    } else if constexpr (kDot == Dot::kAvx512Vnni) {
+      return _mm256_dpbusd_epi32(acc, u8, s8);
     } else {
       const I pairs = _mm256_maddubs_epi16(u8, s8);
       return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));

@@ -3,9 +3,11 @@
 #pragma once
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors as `__m512 __Y = __Y;`, which
-// -Wmaybe-uninitialized reports at every use once inlined (GCC PR 105593, fixed in 13).
+// -Wmaybe-uninitialized (and, in some inlining contexts, -Wuninitialized) reports at every
+// use once inlined (GCC PR 105593, fixed in 13).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
@@ -19,9 +21,8 @@ struct Avx512 {
   static constexpr int kLanes = 16;  // one tile of 16 channels per vector
   using F = __m512;
   using I = __m512i;
-  // 4 tiles in flight at M = 1 (4 independent FMA / vpdpbusd chains); prefill blocks of
-  // 6 rows x 2 tiles: 12 group sums + 12 accumulators + 4 code vectors fit 32 registers.
-  static constexpr int kDecodeTiles = 4;
+  // Prefill blocks of 6 rows x 2 tiles: 12 group sums + 12 accumulators + 4 code vectors
+  // fit 32 registers. (Decode's tiles in flight are a variant parameter: variants.h.)
   static constexpr int kPrefillTiles = 2;
   static constexpr int kPrefillRowsFp32 = 6;
   static constexpr int kPrefillRowsInt8 = 6;

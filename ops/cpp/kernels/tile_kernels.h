@@ -64,20 +64,23 @@ struct TileKernels {
     for (int i = 0; i < NT; ++i) blk[i] = w.block(t0 + i, g);
   }
 
-  // Software prefetch `ahead` bytes ahead in the stream, the span of the NT blocks just
-  // read. The loops do several operations per byte, so the out-of-order window alone
-  // holds too few cache misses to stream from DRAM at full speed. The distances are
-  // measured (A/B in one interleaved run, 16 cold 4096x4096 layers, M = 1): fp32 mode
-  // 12 KiB (13-15% faster than 6 KiB); int8 mode 6 KiB (12 KiB no better: the differences
-  // were within the 5% two identical builds showed). Past the end of the stream a
-  // prefetch touches nothing (prefetches never fault).
+  // Software prefetch `ahead` bytes ahead in the stream (none for 0), the span of the NT
+  // blocks just read, with `hint` (_MM_HINT_T0 or _MM_HINT_NTA). The loops do several
+  // operations per byte, so the out-of-order window alone may hold too few cache misses
+  // to stream from DRAM at full speed; how far ahead is best differs by core, so decode
+  // takes it as a parameter (variants.h) and prefill keeps these distances, measured on
+  // Zen 5 (A/B in one interleaved run, 16 cold 4096x4096 layers, M = 1): fp32 mode 12 KiB
+  // (13-15% faster than 6 KiB); int8 mode 6 KiB. Past the end of the stream a prefetch
+  // touches nothing (prefetches never fault).
   static constexpr int64_t kPrefetchFp32 = 12288;
   static constexpr int64_t kPrefetchInt8 = 6144;
-  template <int NT, int64_t ahead>
+  template <int NT, int64_t ahead, int hint>
   static CIM_INLINE void prefetch_ahead(const PackedWeights& w, const uint8_t* const (&blk)[NT]) {
-    const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(ahead);
-    for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), _MM_HINT_T0);
+    if constexpr (ahead > 0) {
+      const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(ahead);
+      for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), static_cast<_mm_hint>(hint));
+      }
     }
   }
 
@@ -161,7 +164,7 @@ struct TileKernels {
     });
   }
 
-  template <int NT, int R>
+  template <int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
   static void fp32_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     F acc[R][NT * kVecs];
@@ -171,7 +174,7 @@ struct TileKernels {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
-      prefetch_ahead<NT, kPrefetchFp32>(w, blk);
+      prefetch_ahead<NT, kAhead, kHint>(w, blk);
       F t[R][NT * kVecs];
       for (int r = 0; r < R; ++r)
         for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
@@ -199,7 +202,7 @@ struct TileKernels {
 
   // ---- int8 mode ---------------------------------------------------------------------
 
-  template <int NT, int R>
+  template <int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
   static void int8_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
@@ -212,7 +215,7 @@ struct TileKernels {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
-      prefetch_ahead<NT, kPrefetchInt8>(w, blk);
+      prefetch_ahead<NT, kAhead, kHint>(w, blk);
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
         const I z = S::set1_i32(qa.zsum[(m0 + r) * w.groups + g]);
@@ -245,12 +248,13 @@ struct TileKernels {
 
   // ---- drivers -----------------------------------------------------------------------
 
-  template <bool kInt8, int NT, int R>
+  template <bool kInt8, int NT, int R, int64_t kAhead = kInt8 ? kPrefetchInt8 : kPrefetchFp32,
+            int kHint = _MM_HINT_T0>
   static CIM_INLINE void block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     if constexpr (kInt8) {
-      int8_block<NT, R>(args, t0, m0, g0, g1);
+      int8_block<NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     } else {
-      fp32_block<NT, R>(args, t0, m0, g0, g1);
+      fp32_block<NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     }
   }
 
@@ -277,16 +281,22 @@ struct TileKernels {
   static constexpr int64_t kPrefillK = 512;
   static constexpr int64_t kPrefillTilesL2 = 32;
 
-  template <bool kInt8>
-  static void matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+  // M = 1: NT tiles side by side (NT = 4: a whole strip, its part of the stream read
+  // once, front to back; NT = 2: each strip in two passes, the second from L2), with
+  // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
+  // of a short last strip take the default prefetch, one at a time.
+  template <bool kInt8, int NT, int64_t kAhead, int kHint>
+  static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
-    if (args.M == 1) {
-      constexpr int NT = S::kDecodeTiles;
-      int64_t t = tile_begin;
-      for (; t + NT <= tile_end; t += NT) block<kInt8, NT, 1>(args, t, 0, 0, w.groups);
-      for (; t < tile_end; ++t) block<kInt8, 1, 1>(args, t, 0, 0, w.groups);
-      return;
-    }
+    int64_t t = tile_begin;
+    for (; t + NT <= tile_end; t += NT) block<kInt8, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
+    for (; t < tile_end; ++t) block<kInt8, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
+  }
+
+  // M > 1 (M = 1 works too, at prefill's pace).
+  template <bool kInt8>
+  static void prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    const PackedWeights& w = *args.W;
     constexpr int NT = S::kPrefillTiles;
     constexpr int R = kPrefillRows<kInt8>;
     const int64_t k_groups = kPrefillK / w.group_size > 0 ? kPrefillK / w.group_size : 1;
@@ -349,12 +359,6 @@ struct TileKernels {
     return true;
   }
 
-  static void matmul_fp32(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
-    matmul<false>(args, tile_begin, tile_end);
-  }
-  static void matmul_int8(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
-    matmul<true>(args, tile_begin, tile_end);
-  }
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -22,6 +23,7 @@
 #include "kernels/repack.h"
 #include "op/gather_op.h"
 #include "op/ort_support.h"
+#include "tune/profile.h"
 
 namespace {
 
@@ -130,6 +132,13 @@ class Kernel {
       attrs.fail(std::string("CIM_INT4_KERNEL=") + wanted + " is not a kernel this CPU runs; available: " +
                  available + " (or auto)");
     }
+    // The decode variant per mode: CIM_INT4_VARIANT, this CPU's profile, or a tuning now.
+    cim::VariantChoice choice;
+    std::string variant_error;
+    if (!cim::choose_variants(*kernels_, choice, variant_error)) attrs.fail(variant_error);
+    if (!choice.message.empty()) std::fprintf(stderr, "%s\n", choice.message.c_str());
+    const cim::Mode mode = int8_ ? cim::kInt8 : cim::kFp32;
+    matmul_ = choice.variant[mode]->matmul[mode];
     ranges_ = parallel_ranges(config);
   }
 
@@ -185,7 +194,7 @@ class Kernel {
     job.args.Y = static_cast<float*>(y_data);
     job.args.ldy = w.N;
     job.args.W = &w;
-    job.fn = kernels_->matmul_fp32;
+    job.fn = matmul_;
     if (int8_) {
       // A is quantized once per call, before the parallel section.
       const int64_t k_padded = w.groups * w.group_size;
@@ -199,7 +208,6 @@ class Kernel {
       kernels_->quantize_a(A, M, w.K, w.K, w.group_size, q, scale, zsum);
       job.qa = cim::QuantizedA{q, scale, zsum};
       job.args.QA = &job.qa;
-      job.fn = kernels_->matmul_int8;
     }
     // Contiguous static ranges of whole strips (4 tiles, 64 channels), one per pool thread:
     // each thread streams one stretch of the weights, and range edges fall 256 bytes apart
@@ -237,6 +245,7 @@ class Kernel {
   bool int8_ = false;  // compute mode "int8" (else "fp32")
   cim::PackedStorage storage_;
   const cim::KernelTable* kernels_ = nullptr;
+  cim::MatMulFn matmul_ = nullptr;  // the chosen variant's kernel for this node's mode
   int64_t ranges_ = 1;
 };
 

@@ -10,7 +10,8 @@
 // Checked per table and shape:
 //   accuracy  portable fp32: |y - exact| <= (K + 2) 2^-24 sum_k |a_k w_k| (+ the bias rounding)
 //             portable int8: within that plus sum_g (amax_g / 254) sum_{k in g} |w_k| (A's rounding)
-//   oracle    every table gives the same bits as the portable kernel, in both modes
+//   oracle    every table and every one of its decode variants (variants.h) gives the same
+//             bits as the portable kernel, in both modes
 //   split     the same bits whatever ranges of tiles the channels come in
 //   batch     the same bits for row m of A alone (M = 1) as within the batch
 //   bounds    Y entries between N and ldy are left untouched
@@ -283,8 +284,8 @@ struct Mode {
 };
 constexpr Mode kModes[] = {{"fp32", false}, {"int8", true}};
 
-// Runs rows [m, m + M) of the problem through one table's kernel of `mode`, tiles [t0, t1).
-void run(const cim::KernelTable& table, const Mode& mode, Problem& p, int64_t m, int64_t M, float* y, int64_t t0,
+// Runs rows [m, m + M) of the problem through one variant's kernel of `mode`, tiles [t0, t1).
+void run(const cim::KernelVariant& variant, const Mode& mode, Problem& p, int64_t m, int64_t M, float* y, int64_t t0,
          int64_t t1) {
   const cim::QuantizedA qa = p.qa_from(m);
   cim::MatMulArgs args;
@@ -295,7 +296,7 @@ void run(const cim::KernelTable& table, const Mode& mode, Problem& p, int64_t m,
   args.ldy = p.shape().ldy;
   args.W = &p.weights();
   args.QA = &qa;
-  (mode.int8 ? table.matmul_int8 : table.matmul_fp32)(args, t0, t1);
+  variant.matmul[mode.int8 ? cim::kInt8 : cim::kFp32](args, t0, t1);
 }
 
 // The portable kernel's output against float64: the accuracy of the arithmetic itself.
@@ -317,13 +318,15 @@ bool check_accuracy(const Mode& mode, Problem& p, Output& oracle, Tally& tally) 
   return true;
 }
 
-// One table in one mode: the same bits as the portable oracle, whatever the tile split
-// and with each row of A alone; nothing written past N. Prints why and returns false.
-bool check_table(const cim::KernelTable& table, const Mode& mode, Problem& p, Output& oracle,
-                 std::mt19937_64& rng) {
+// One variant of a table in one mode: the same bits as the portable oracle, whatever the
+// tile split and with each row of A alone; nothing written past N. Prints why and returns false.
+// Variants differ only at M = 1 (their M > 1 path is the table's one prefill), so with
+// `decode_only` a shape with M > 1 checks its rows alone and skips the whole and split calls.
+bool check_variant(const cim::KernelTable& table, const cim::KernelVariant& variant, const Mode& mode, Problem& p,
+                   Output& oracle, std::mt19937_64& rng, bool decode_only) {
   const Shape& s = p.shape();
   const int64_t tiles = p.weights().tiles;
-  const std::string where = std::string(table.name) + " " + mode.name + " " + describe(s);
+  const std::string where = std::string(table.name) + " " + variant.name + " " + mode.name + " " + describe(s);
   std::snprintf(g_running, sizeof g_running, "%s", where.c_str());
 
   if (mode.int8 && !p.quantize_matches(table)) {
@@ -331,14 +334,17 @@ bool check_table(const cim::KernelTable& table, const Mode& mode, Problem& p, Ou
     return false;
   }
   Output whole(s), split(s), rows(s);
-  run(table, mode, p, 0, s.M, whole.data(), 0, tiles);
-  std::uniform_int_distribution<int64_t> step(1, 6);
-  for (int64_t t0 = 0; t0 < tiles;) {
-    const int64_t t1 = std::min(tiles, t0 + step(rng));
-    run(table, mode, p, 0, s.M, split.data(), t0, t1);
-    t0 = t1;
+  const bool batch = !(decode_only && s.M > 1);
+  if (batch) {
+    run(variant, mode, p, 0, s.M, whole.data(), 0, tiles);
+    std::uniform_int_distribution<int64_t> step(1, 6);
+    for (int64_t t0 = 0; t0 < tiles;) {
+      const int64_t t1 = std::min(tiles, t0 + step(rng));
+      run(variant, mode, p, 0, s.M, split.data(), t0, t1);
+      t0 = t1;
+    }
   }
-  for (int64_t m = 0; m < s.M; ++m) run(table, mode, p, m, 1, rows.data() + m * s.ldy, 0, tiles);
+  for (int64_t m = 0; m < s.M; ++m) run(variant, mode, p, m, 1, rows.data() + m * s.ldy, 0, tiles);
 
   struct Against {
     const char* what;
@@ -346,6 +352,7 @@ bool check_table(const cim::KernelTable& table, const Mode& mode, Problem& p, Ou
   };
   for (const Against& c : {Against{"the whole call", &whole}, Against{"a split call", &split},
                            Against{"rows alone (M=1)", &rows}}) {
+    if (!batch && c.out != &rows) continue;
     if (!c.out->padding_untouched()) {
       std::printf("FAIL %s: %s wrote Y between N and ldy\n", where.c_str(), c.what);
       return false;
@@ -510,13 +517,16 @@ int main() {
       const Mode& mode = kModes[mi];
       Output oracle(s);
       std::snprintf(g_running, sizeof g_running, "portable %s %s", mode.name, describe(s).c_str());
-      run(cim::portable_kernels(), mode, p, 0, s.M, oracle.data(), 0, p.weights().tiles);
+      run(cim::portable_kernels().variants[0], mode, p, 0, s.M, oracle.data(), 0, p.weights().tiles);
       ++accuracy[mi].cases;
       if (!check_accuracy(mode, p, oracle, accuracy[mi])) ++accuracy[mi].failures;
       for (size_t t = 0; t < tables.size(); ++t) {
         Tally& tally = tallies[2 * t + mi];
-        ++tally.cases;
-        if (!check_table(*tables[t], mode, p, oracle, rng)) ++tally.failures;
+        for (int v = 0; v < tables[t]->variant_count; ++v) {
+          ++tally.cases;
+          const bool decode_only = v != tables[t]->defaults[mode.int8 ? cim::kInt8 : cim::kFp32];
+          if (!check_variant(*tables[t], tables[t]->variants[v], mode, p, oracle, rng, decode_only)) ++tally.failures;
+        }
       }
     }
   }
@@ -526,8 +536,9 @@ int main() {
                 kModes[mi].name, accuracy[mi].cases, accuracy[mi].failures, accuracy[mi].worst_ratio);
   }
   for (size_t t = 0; t < tallies.size(); ++t) {
-    std::printf("%-11s %s %5" PRId64 " shapes, %" PRId64 " not bit-identical to portable\n", tables[t / 2]->name,
-                kModes[t % 2].name, tallies[t].cases, tallies[t].failures);
+    std::printf("%-11s %s %2d variants x %" PRId64 " shapes, %" PRId64 " not bit-identical to portable\n",
+                tables[t / 2]->name, kModes[t % 2].name, tables[t / 2]->variant_count,
+                tallies[t].cases / tables[t / 2]->variant_count, tallies[t].failures);
     failures += tallies[t].failures;
   }
   std::printf(failures == 0 ? "PASS\n" : "FAIL\n");

@@ -1,0 +1,70 @@
+// The decode variants each x86 table offers: one grid of parameters that plausibly differ
+// by core (software prefetch distance and hint, tiles in flight, 512- or 256-bit forms),
+// instantiated from tile_kernels.h in each instruction set's translation unit. tune/
+// times them on the machine at hand and picks one per compute mode. Every variant
+// performs the same arithmetic per output (tile_kernels.h), so all give the same bits;
+// kernel_test checks each against the portable oracle.
+//
+// Why these: on Zen 5 (where the defaults were measured) 4 tiles side by side and 6 / 12
+// KiB prefetch stream at 76-87% of the read bandwidth; on Zen 4, where AVX-512 runs on
+// 256-bit units, the same loop spent ~14 cycles per 64-byte code vector against 3-5 of
+// arithmetic, i.e. it waited on memory: the prefetch distance (or none, leaving it to the
+// hardware prefetcher), the hint, fewer tiles in flight, and ymm forms (32 registers with
+// AVX-512 VL) are the cheap knobs; which wins is measured per machine, not assumed.
+#pragma once
+
+#include <type_traits>
+
+#include "kernels/kernel.h"
+#include "kernels/tile_kernels.h"
+
+namespace cim {
+namespace {
+
+// A variant's matmul: decode with traits D (the table's own S, or its 256-bit form) and
+// these parameters at M = 1; S's prefill otherwise (one prefill per table).
+template <class S, class D, bool kInt8, int NT, int64_t kAhead, int kHint>
+void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+  if (args.M == 1) {
+    TileKernels<D>::template decode<kInt8, NT, kAhead, kHint>(args, tile_begin, tile_end);
+  } else {
+    TileKernels<S>::template prefill<kInt8>(args, tile_begin, tile_end);
+  }
+}
+
+template <class S, class D, int NT, int64_t kAhead, int kHint>
+constexpr KernelVariant variant(const char* name) {
+  return KernelVariant{name,
+                       {variant_matmul<S, D, false, NT, kAhead, kHint>, variant_matmul<S, D, true, NT, kAhead, kHint>}};
+}
+
+constexpr int kT0 = _MM_HINT_T0;
+constexpr int kNta = _MM_HINT_NTA;
+
+// S: the table's traits; Y: its 256-bit form (S itself when it has none: then the ymm
+// rows, last, are left out).
+template <class S, class Y>
+struct Variants {
+  static constexpr KernelVariant all[] = {
+      variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's default (measured on Zen 5)
+      variant<S, S, 4, 12288, kT0>("t4-pf12k"),  // fp32 mode's default (measured on Zen 5)
+      variant<S, S, 4, 0, kT0>("t4-nopf"),
+      variant<S, S, 4, 24576, kT0>("t4-pf24k"),
+      variant<S, S, 4, 6144, kNta>("t4-pf6k-nta"),
+      variant<S, S, 4, 12288, kNta>("t4-pf12k-nta"),
+      variant<S, S, 2, 6144, kT0>("t2-pf6k"),
+      variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
+      variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
+  };
+  static constexpr int kYmmRows = 2;
+  static constexpr int count = int(sizeof all / sizeof all[0]) - (std::is_same_v<S, Y> ? kYmmRows : 0);
+};
+
+// The kernel table of traits S (and its 256-bit form Y).
+template <class S, class Y = S>
+KernelTable make_table(const char* name) {
+  return KernelTable{name, Variants<S, Y>::all, Variants<S, Y>::count, {1, 0}, TileKernels<S>::quantize_a};
+}
+
+}  // namespace
+}  // namespace cim

@@ -1,0 +1,52 @@
+// Times a kernel table's decode variants (kernels/variants.h) on the CPU at hand and
+// picks one per compute mode. No ORT: the op (op/op.cpp) and the `cim-int4 tune` command
+// (tune_api.cpp) call it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/kernel.h"
+
+namespace cim {
+
+struct TuneOptions {
+  // Wall-clock bound of the timing rounds (setup not included: see TuneReport::setup_seconds).
+  // Rounds stop once the next would pass it; one round always runs.
+  double budget_seconds = 0.4;
+  // Bytes of the synthetic weight stream; 0: twice the last-level cache, within
+  // [16 MiB, 256 MiB], so that every pass reads from DRAM as decode does.
+  int64_t stream_bytes = 0;
+};
+
+struct TuneReport {
+  std::string table;              // the kernel table's name
+  int64_t stream_bytes = 0;
+  int64_t llc_bytes = 0;          // last-level cache as the OS reports it (0: unknown)
+  int rounds = 0;
+  double setup_seconds = 0;       // allocating and filling the stream
+  double elapsed_seconds = 0;     // the timing rounds
+  double longest_round_seconds = 0;
+  double read_seconds = 0;        // median of a streaming read of the same bytes, one per round
+  struct Row {
+    std::string name;
+    double seconds[2] = {0, 0};   // median per Mode, one decode (M = 1, 1 thread) of the stream
+    double vs_default[2] = {1, 1};  // median per Mode of time / the default's time in the same round
+  };
+  std::vector<Row> rows;          // one per variant, in the table's order
+  int chosen[2] = {0, 0};         // per Mode, an index into rows
+};
+
+// Interleaved rounds (a streaming read, then every variant in both modes in an order
+// shuffled each round) over a stream larger than the last-level cache. Per mode the
+// variant with the lowest median time relative to the default in the same round; the
+// default is kept unless that variant beats it by more than kTuneMargin in the median
+// and in at least 3 of 4 rounds, over at least kTuneMinRounds rounds (so a choice is never
+// worse than the default beyond noise, and a loaded machine keeps the default).
+// A table with one variant returns at once.
+constexpr double kTuneMargin = 0.03;
+constexpr int kTuneMinRounds = 3;
+TuneReport tune(const KernelTable& table, const TuneOptions& options);
+
+}  // namespace cim

@@ -1,0 +1,107 @@
+"""The kernel tuner: times the op library's decode variants on this CPU and keeps the winner in a per-CPU profile.
+
+The op library reads the profile when it creates a kernel (and tunes once by itself when
+the profile has no entry for this CPU); ``cim-int4 tune`` runs the tuner explicitly and
+prints its table. Both come from ``libcim_int4_tune.so``, built and installed beside the
+op library. Environment: ``CIM_INT4_PROFILE`` (profile path), ``CIM_INT4_VARIANT``
+(force one variant), ``CIM_INT4_TUNE=off`` (never tune implicitly), ``CIM_INT4_KERNEL``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+from typing import Any
+
+from .library import library_path
+
+TUNE_LIBRARY_NAME = "libcim_int4_tune.so"
+PROFILE_ENV = "CIM_INT4_PROFILE"
+VARIANT_ENV = "CIM_INT4_VARIANT"
+TUNE_ENV = "CIM_INT4_TUNE"
+
+
+class TuneError(ValueError):
+    """The tuner library refused a request (unknown kernel, bad CIM_INT4_VARIANT, ...)."""
+
+
+def tune_library_path() -> str:
+    """Path of libcim_int4_tune.so: beside the op library (so ``CIM_INT4_LIBRARY`` moves both)."""
+    path = Path(library_path()).with_name(TUNE_LIBRARY_NAME)
+    if not path.is_file():
+        raise FileNotFoundError(f"cim-int4 tuner library not found at {path}; rebuild the package")
+    return str(path)
+
+
+def _call(name: str, *args: Any) -> dict[str, Any]:
+    lib = ctypes.CDLL(tune_library_path())
+    fn = getattr(lib, name)
+    size = 1 << 14
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = fn(*args, buf, ctypes.c_size_t(size))
+        if n < size:
+            break
+        size = n + 1
+    reply = json.loads(buf.value.decode())
+    if "error" in reply:
+        raise TuneError(reply["error"])
+    return reply
+
+
+def tune(kernel: str = "auto", seconds: float = 0.8, save: bool = True) -> dict[str, Any]:
+    """Times ``kernel``'s variants (``auto``: the best ISA path of this CPU) for about ``seconds``; saves the choice.
+
+    Returns the report: cpu, key, kernel, stream_bytes, rounds, read_seconds, variants
+    (name, fp32_seconds, int8_seconds: medians of one M = 1 decode of the stream, 1 thread),
+    default, chosen, profile, saved, save_error, budget_seconds, setup_seconds,
+    elapsed_seconds, longest_round_seconds.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return _call("cim_int4_tune", kernel.encode(), ctypes.c_double(seconds), ctypes.c_int(int(save)))
+
+
+def current_variants(kernel: str = "auto") -> dict[str, Any]:
+    """The variants the op would run for ``kernel`` in a new process: {kernel, fp32, int8, source, message, ...}."""
+    return _call("cim_int4_variants", kernel.encode())
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The tuner's table: per variant and mode, time, share of the streaming read, and the choice."""
+    gb = report["stream_bytes"] / 1e9
+    read = report["read_seconds"]
+    lines = [
+        f"CPU: {report['cpu']}",
+        f"kernel: {report['kernel']}; stream {report['stream_bytes'] / 2**20:.0f} MiB "
+        f"(last-level cache {report['llc_bytes'] / 2**20:.0f} MiB), {report['rounds']} interleaved rounds "
+        f"in {report['elapsed_seconds']:.2f} s (+{report['setup_seconds']:.2f} s set-up), 1 thread, M = 1",
+        f"streaming read: {gb / read:.1f} GB/s" if read > 0 else "streaming read: not measured",
+        "",
+        f"{'variant':<14} {'fp32 ms':>8} {'/dflt':>6} {'/read':>6}  {'int8 ms':>8} {'/dflt':>6} {'/read':>6}",
+    ]
+    for row in report["variants"]:
+        cells = []
+        for mode in ("fp32", "int8"):
+            t = row[f"{mode}_seconds"]
+            share = read / t if t > 0 else 0.0
+            name = row["name"]
+            mark = "*" if report["chosen"][mode] == name else ("d" if report["default"][mode] == name else " ")
+            cells.append(f"{t * 1e3:8.2f} {row[f'{mode}_vs_default']:6.3f} {share:5.2f}{mark}")
+        lines.append(f"{row['name']:<14} {cells[0]}  {cells[1]}")
+    lines += [
+        "",
+        "/dflt: median over rounds of the time over the default's in the same round; /read: the streaming "
+        "read's time over the variant's",
+        f"* chosen, d default (kept unless another is > {report['margin'] * 100:.0f}% faster, in the median and "
+        f"in 3 of 4 rounds, over >= {report['min_rounds']} rounds): "
+        f"fp32 {report['chosen']['fp32']}, int8 {report['chosen']['int8']}",
+    ]
+    if report["saved"]:
+        lines.append(f"saved to {report['profile']}")
+    elif report["save_error"]:
+        lines.append(f"not saved: {report['save_error']}")
+    else:
+        lines.append("not saved (--no-save)")
+    return "\n".join(lines)
