@@ -313,3 +313,21 @@ def test_external_data_embedding_model_through_the_cli(tmp_path) -> None:
     _save_external(fp32, tmp_path / "fp32.onnx")
     _save_external(_int4(fp32), tmp_path / "int4.onnx")
     assert main(["validate", str(tmp_path / "fp32.onnx"), str(tmp_path / "int4.onnx"), "--int-range", "0:7"]) == 0
+
+
+def test_a_tied_lm_head_is_checked_like_any_layer() -> None:
+    # The default export of a tied model gives the LM head its codes and scales as inputs (shared with
+    # the int4 embedding): validation must run that layer alone and cross-check it, not call it broken.
+    from pathlib import Path
+
+    fp32 = onnx.load(str(Path(__file__).parent / "genai" / "llama-tied-fp32" / "model.onnx"))
+    int4, summary = export_with_summary(fp32)
+    tied = [n for n in int4.graph.node if n.op_type == OP_TYPE and len(n.input) == 3]
+    assert len(tied) == 1, "the fixture's LM head should read the embedding's tensors"
+    dims = {"batch_size": 1, "sequence_length": 8, "total_sequence_length": 8, "past_sequence_length": 0,
+            "kv_cache_dim": 16}
+    report = cim_int4.compare(fp32, int4, dims=dims, threads=1, backend_check=True)
+    assert report.first_divergent is None, report.format_table()
+    checked = {layer.node: layer for layer in report.layers}
+    assert tied[0].name in checked and checked[tied[0].name].error is None
+    assert tied[0].name in {layer.node for layer in report.backends}

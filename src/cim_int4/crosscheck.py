@@ -31,6 +31,7 @@ from onnx import numpy_helper
 from .contract import COMPUTE_CONFIG, Int4Node, is_op_node
 from .layercheck import Model
 from .ops import OP_TYPE, make_session, reference
+from .ops.reference_backend import with_table_attributes
 
 # Four FP32 ulps of a dot product's magnitude sum|a * w| (unit roundoff 2**-24).
 ULPS_OF_MAGNITUDE = 2.0**-22
@@ -107,7 +108,12 @@ def crosscheck(
 
     ``compute`` ("fp32" | "int8") overrides every node's mode on both backends.
     """
-    layers = [(node, Int4Node.from_node(node)) for node in int4_model.graph.node if is_op_node(node)]
+    initializers = {t.name: t for t in int4_model.graph.initializer}
+    layers = [
+        (node, Int4Node.from_node(with_table_attributes(node, initializers)))
+        for node in int4_model.graph.node
+        if is_op_node(node)
+    ]
     if not layers:
         raise ValueError(f"the model has no {OP_TYPE} node to cross-check")
     inputs = {node.input[0] for node, _ in layers}

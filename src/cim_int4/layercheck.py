@@ -30,6 +30,7 @@ from .exporter.fold import DEFAULT_DOMAINS, Scope
 from .exporter.operands import Ineligible, plan_gemm, plan_matmul
 from .metrics import cosine as cosine_of
 from .ops import make_session, reference
+from .ops.reference_backend import with_table_attributes
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 U32 = 2.0**-24  # unit roundoff of float32
@@ -245,6 +246,13 @@ def check_layer(
 ) -> LayerCheck:
     """Check ``node`` (a CimInt4MatMul of ``model``): run alone on ``a``, and its weights against ``fp32_node``'s."""
     label = node.name or node.output[0]
+    if len(node.input) > 1:  # codes and scales read as inputs (a tied LM head): run it with them as attributes
+        tables = {
+            t.name: numpy_helper.from_array(model.array(t), t.name)
+            for t in model.proto.graph.initializer
+            if t.name in node.input[1:]
+        }
+        node = with_table_attributes(node, tables)
     if compute is None:
         compute_attr = _attr(node, "compute")
         compute = compute_attr.s.decode() if compute_attr is not None else DEFAULT_COMPUTE
