@@ -31,17 +31,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..contract import (
     COMPUTE_MODES,
     DEFAULT_COMPUTE,
+    GATHER,
     GATHER_OP_TYPE,
+    MATMUL_SHARED,
     OP_DOMAIN,
     OP_TYPE,
     OP_VERSION,
     SUPPORTED_GROUP_SIZES,
     Int4Node,
+    SharedInt4Node,
     pack,
     unpack,
     unpack_codes,
@@ -193,13 +196,11 @@ def _convert_node(
     mode = compute if compute != "auto" else ("int8" if attrs.get("accuracy_level", 0) == 4 else "fp32")
     name = node.name or f"{node.output[0]}/{OP_TYPE}"
     if share:
-        extra = {"bias": numpy_helper.from_array(bias, "bias")} if bias is not None else {}
-        if mode != DEFAULT_COMPUTE:
-            extra["compute"] = mode
-        inputs = [node.input[_A], node.input[_B], node.input[_SCALES]]
-        new = helper.make_node(
-            OP_TYPE, inputs, [node.output[0]], name=name, domain=OP_DOMAIN, K=k, N=n, group_size=block, **extra
-        )
+        inputs = (node.input[_A], node.input[_B], node.input[_SCALES])
+        new = SharedInt4Node(
+            name, inputs, (node.output[0],), k, block, MATMUL_SHARED, n, bias,
+            None if mode == DEFAULT_COMPUTE else mode,
+        ).to_node()
     else:
         new = Int4Node(
             name,
@@ -245,15 +246,14 @@ def _convert_gather(node: onnx.NodeProto, consts: Scope) -> tuple[onnx.NodeProto
     scales = _constant(consts, node, 2, "scales")
     if scales.dtype != np.float32 or scales.size != rows * (k // block):
         raise _Unconvertible(f"scales are {scales.dtype} {list(scales.shape)}; expected float32 [{rows}, {k // block}]")
-    new = helper.make_node(
-        GATHER_OP_TYPE,
-        [data.names[0], node.input[1], node.input[2]],
-        [node.output[0]],
-        name=node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
-        domain=OP_DOMAIN,
-        K=k,
-        group_size=block,
-    )
+    new = SharedInt4Node(
+        node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
+        (data.names[0], node.input[1], node.input[2]),
+        (node.output[0],),
+        k,
+        block,
+        GATHER,
+    ).to_node()
     return new, data.names[1:]
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import GATHER_OP_TYPE, OP_DOMAIN
+from ..contract import GATHER, GATHER_OP_TYPE, SharedInt4Node
 from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
 from .operands import Ineligible
 from .options import ExportOptions
@@ -132,12 +132,11 @@ class Tables:
     def gather_node(self, node: onnx.NodeProto, table: Table) -> onnx.NodeProto:
         """The CimInt4Gather replacing ``node``."""
         qw = self.quantize(table)
-        return helper.make_node(
-            GATHER_OP_TYPE,
-            [table.packed_name, node.input[1], table.scales_name],
-            [node.output[0]],
-            name=node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
-            domain=OP_DOMAIN,
-            K=qw.k,
-            group_size=qw.group_size,
-        )
+        return SharedInt4Node(
+            node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
+            (table.packed_name, node.input[1], table.scales_name),
+            (node.output[0],),
+            qw.k,
+            qw.group_size,
+            GATHER,
+        ).to_node()

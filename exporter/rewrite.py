@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node
+from ..contract import MATMUL_SHARED, OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node, SharedInt4Node
 from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
@@ -313,12 +313,10 @@ class Rewriter:
         """
         if table is not None:
             qw = self.tables.quantize(table)
-            attrs: dict[str, object] = {"K": qw.k, "N": qw.n, "group_size": qw.group_size}
-            attrs["compute"] = self.options.compute
-            if plan.bias is not None:
-                attrs["bias"] = numpy_helper.from_array(plan.bias, "bias")
-            inputs = [x, table.packed_name, table.scales_name]
-            op = helper.make_node(OP_TYPE, inputs, [out], name=base, domain=OP_DOMAIN, **attrs)
+            inputs = (x, table.packed_name, table.scales_name)
+            op = SharedInt4Node(
+                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, self.options.compute
+            ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
         qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
         op = Int4Node(

@@ -14,10 +14,14 @@ from onnx import helper, numpy_helper
 
 from cim_int4.contract import (
     ATTRIBUTES,
+    GATHER,
+    GATHER_OP_TYPE,
     MATMUL,
+    MATMUL_SHARED,
     OP_DOMAIN,
     OP_TYPE,
     Int4Node,
+    SharedInt4Node,
     check_compute,
     check_group_size,
     unpack_codes,
@@ -139,3 +143,19 @@ def test_checks_name_what_they_expected() -> None:
     with pytest.raises(ValueError, match="compute must be one of"):
         check_compute("int4")
     assert MATMUL.attribute("packed").dtypes == ("uint8",)
+
+
+def test_shared_nodes_name_their_tensors_as_inputs_and_take_only_their_attributes() -> None:
+    # The tied LM head and the int4 embedding read one copy of the codes and scales: as inputs, never attributes.
+    bias = np.arange(3, dtype=np.float32)
+    head = SharedInt4Node("head", ("x", "p", "s"), ("y",), 64, 32, MATMUL_SHARED, n=3, bias=bias, compute="int8")
+    node = head.to_node()
+    assert (node.op_type, node.domain, list(node.input)) == (OP_TYPE, OP_DOMAIN, ["x", "p", "s"])
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert set(attrs) == {"K", "N", "group_size", "bias", "compute"} and attrs["compute"] == b"int8"
+    np.testing.assert_array_equal(numpy_helper.to_array(attrs["bias"]), bias)
+    gather = SharedInt4Node("emb", ("p", "ids", "s"), ("h",), 64, 32, GATHER, n=3, bias=bias, compute="int8").to_node()
+    assert gather.op_type == GATHER_OP_TYPE and list(gather.input) == ["p", "ids", "s"]
+    assert {a.name for a in gather.attribute} == {"K", "group_size"}  # N, bias, compute are the MatMul's
+    with pytest.raises(ValueError, match="'emb' takes inputs"):
+        SharedInt4Node("emb", ("p", "s"), ("h",), 64, 32, GATHER).to_node()

@@ -22,11 +22,12 @@ Dequantized, ``W[k, n] = scales[n, k // group_size] * (code(n, k) - 8)``.
 
 How to grow it (each is rows/fields here, then the code that uses them):
 
-* **A second op with the same codes/scales layout** (say an int4 Gather): add its name
-  (``GATHER_TYPE = "..."``), an ``OpSpec`` row with its inputs and the subset of
-  ``ATTRIBUTES`` it takes (plus any new ``Attribute`` rows), and put the spec in ``OPS``.
-  ``Int4Node(op=GATHER, ...)`` then writes and ``Int4Node.from_node`` checks such nodes;
-  CMake picks up a new ``*_TYPE`` line only if you add it to the header generator.
+* **A second op with the same codes/scales layout**: add its name (``*_OP_TYPE = "..."``,
+  which CMake's header generator must also list) and an ``OpSpec`` row with its inputs and the
+  subset of ``ATTRIBUTES`` it takes (plus any new ``Attribute`` rows). ``CimInt4Gather``
+  (``GATHER``) and the tied-head form of the MatMul (``MATMUL_SHARED``) read the codes and
+  scales as initializer inputs: ``SharedInt4Node`` writes them; ``Int4Node`` writes and
+  ``Int4Node.from_node`` checks the attribute form (``OPS``).
 * **A bit width**: add the width to ``SUPPORTED_BITS`` and an optional int ``Attribute``
   ``bits`` (default 4); ``pack``/``unpack`` and the shapes in ``Int4Node`` take
   ``bits`` from the node. Today only 4 exists and no node carries the attribute.
@@ -156,6 +157,10 @@ class OpSpec:
 
 MATMUL = OpSpec(OP_TYPE, ("A",), ("Y",), ("K", "N", "group_size", "packed", "scales", "bias", "compute"))
 OPS: Mapping[str, OpSpec] = {MATMUL.op_type: MATMUL}
+# The same codes and scales read as constant-initializer inputs instead of attributes, so that an
+# embedding table (CimInt4Gather) and the LM head tied to it hold one copy (docs/embeddings.md).
+MATMUL_SHARED = OpSpec(OP_TYPE, ("A", "packed", "scales"), ("Y",), ("K", "N", "group_size", "bias", "compute"))
+GATHER = OpSpec(GATHER_OP_TYPE, ("packed", "indices", "scales"), ("Y",), ("K", "group_size"))
 
 
 def is_op_node(node: onnx.NodeProto, op: OpSpec = MATMUL) -> bool:
@@ -251,6 +256,38 @@ class Int4Node:
             raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
         return cls(
             node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op
+        )
+
+
+@dataclass(frozen=True)
+class SharedInt4Node:
+    """A node that reads its codes and scales as initializer inputs (named in ``inputs``): ``to_node()`` writes it.
+
+    ``op`` is MATMUL_SHARED (inputs: activations, packed, scales) or GATHER (inputs: packed,
+    indices, scales); ``n``, ``bias`` and ``compute`` belong to the MatMul only (``compute=None``
+    writes no attribute). The tensors' layout is the attribute form's (``Int4Node``).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    k: int
+    group_size: int
+    op: OpSpec
+    n: int | None = None
+    bias: np.ndarray | None = field(default=None, repr=False)
+    compute: str | None = None
+
+    def to_node(self) -> onnx.NodeProto:
+        """The ONNX node (domain OP_DOMAIN)."""
+        if len(self.inputs) != len(self.op.inputs):
+            raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {self.op.inputs}, got {self.inputs}")
+        attrs: dict[str, object] = {"K": self.k, "N": self.n, "group_size": self.group_size, "compute": self.compute}
+        if self.bias is not None:
+            attrs["bias"] = numpy_helper.from_array(np.ascontiguousarray(self.bias), "bias")
+        attrs = {k: v for k, v in attrs.items() if k in self.op.attributes and v is not None}
+        return helper.make_node(
+            self.op.op_type, list(self.inputs), list(self.outputs), name=self.name, domain=OP_DOMAIN, **attrs
         )
 
 
