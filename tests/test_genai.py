@@ -192,3 +192,12 @@ def test_model_in_a_subfolder(tmp_path: Path) -> None:
     assert sorted(p.name for p in (acc0 / "onnx").iterdir()) == ["model.onnx"]
     want = greedy(load(acc0, threads=1), prompt, 4).tokens
     assert greedy(load(out, threads=1), prompt, 4).tokens == want
+
+
+@pytest.mark.parametrize("compute", ["int8", "fp32", "auto"])
+def test_exported_folder_takes_the_compute_mode_asked_for(compute: str, tmp_path: Path) -> None:
+    # An FP32 folder is exported, not converted: an explicit mode must reach its nodes ("auto" = the export default).
+    out = prepare(FP32, tmp_path / "out", compute=compute, quiet=True)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    modes = {a.s.decode() for n in model.graph.node if n.op_type == OP_TYPE for a in n.attribute if a.name == "compute"}
+    assert modes == {DEFAULT_COMPUTE if compute == "auto" else compute}

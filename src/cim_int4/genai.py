@@ -64,7 +64,9 @@ def _rewrite(path: Path, output: Path, compute: str, group_size: int, keep_embed
             return False, str(e)
     model = load_model(path)
     try:
-        quantized, summary = export_with_summary(model, group_size=group_size, keep_embedding=keep_embedding)
+        # "auto" (take the mode from each MatMulNBits' accuracy_level) has nothing to read here: the export's default.
+        mode = {} if compute == "auto" else {"compute": compute}
+        quantized, summary = export_with_summary(model, group_size=group_size, keep_embedding=keep_embedding, **mode)
     except NothingToQuantize as e:
         return False, str(e)
     del model  # the quantized model is all that is needed now
@@ -95,7 +97,7 @@ def prepare(
 
     Each ONNX model the config names is converted (MatMulNBits, see ``from_matmulnbits``;
     ``compute`` as there) or else exported from FP32 (``export_int4``, ``group_size``,
-    ``keep_embedding``). The
+    ``keep_embedding``, and ``compute`` unless "auto"). The
     op library is copied into the folder and named in each changed model's session options.
     ``output`` (default ``<source>-cim-int4``) must not exist; ``source`` is only read.
     """
