@@ -196,25 +196,13 @@ class Int4Node:
 
     def attributes(self) -> dict[str, object]:
         """The node's attributes as ``helper.make_node`` keywords (tensors as TensorProtos named as the attribute)."""
-        attrs: dict[str, object] = {
-            "K": self.k,
-            "N": self.n,
-            "group_size": self.group_size,
-            "packed": numpy_helper.from_array(np.ascontiguousarray(self.packed), "packed"),
-            "scales": numpy_helper.from_array(np.ascontiguousarray(self.scales), "scales"),
-        }
-        if self.bias is not None:
-            attrs["bias"] = numpy_helper.from_array(np.ascontiguousarray(self.bias), "bias")
-        if self.compute is not None:
-            attrs["compute"] = self.compute
-        return {k: v for k, v in attrs.items() if k in self.op.attributes}
+        values = {"K": self.k, "N": self.n, "group_size": self.group_size, "packed": self.packed,
+                  "scales": self.scales, "bias": self.bias, "compute": self.compute}
+        return _attributes(self.op, values)
 
     def to_node(self) -> onnx.NodeProto:
         """The ONNX node (domain OP_DOMAIN)."""
-        return helper.make_node(
-            self.op.op_type, list(self.inputs), list(self.outputs), name=self.name, domain=OP_DOMAIN,
-            **self.attributes(),
-        )
+        return _make_node(self.op, self.name, self.inputs, self.outputs, self.attributes())
 
     @classmethod
     def from_node(cls, node: onnx.NodeProto, op: OpSpec | None = None) -> Int4Node:
@@ -282,13 +270,23 @@ class SharedInt4Node:
         """The ONNX node (domain OP_DOMAIN)."""
         if len(self.inputs) != len(self.op.inputs):
             raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {self.op.inputs}, got {self.inputs}")
-        attrs: dict[str, object] = {"K": self.k, "N": self.n, "group_size": self.group_size, "compute": self.compute}
-        if self.bias is not None:
-            attrs["bias"] = numpy_helper.from_array(np.ascontiguousarray(self.bias), "bias")
-        attrs = {k: v for k, v in attrs.items() if k in self.op.attributes and v is not None}
-        return helper.make_node(
-            self.op.op_type, list(self.inputs), list(self.outputs), name=self.name, domain=OP_DOMAIN, **attrs
-        )
+        values = {"K": self.k, "N": self.n, "group_size": self.group_size, "bias": self.bias, "compute": self.compute}
+        return _make_node(self.op, self.name, self.inputs, self.outputs, _attributes(self.op, values))
+
+
+def _attributes(op: OpSpec, values: Mapping[str, object]) -> dict[str, object]:
+    """The ``values`` that ``op`` takes and that are set, as ``helper.make_node`` keywords (arrays as TensorProtos)."""
+    return {
+        name: numpy_helper.from_array(np.ascontiguousarray(value), name) if isinstance(value, np.ndarray) else value
+        for name, value in values.items()
+        if name in op.attributes and value is not None
+    }
+
+
+def _make_node(
+    op: OpSpec, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], attrs: Mapping[str, object]
+) -> onnx.NodeProto:
+    return helper.make_node(op.op_type, list(inputs), list(outputs), name=name, domain=OP_DOMAIN, **attrs)
 
 
 def _attribute_values(node: onnx.NodeProto, where: str) -> dict[str, object]:
