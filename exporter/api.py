@@ -20,6 +20,7 @@ from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model
 from .summary import ExportSummary
+from .widths import AUTO
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 
@@ -213,6 +214,8 @@ def _export(
         raise ValueError(
             f"method {options.method!r} needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)"
         )
+    if options.feeds is None and options.bits == AUTO:
+        raise ValueError("bits='auto' needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)")
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:

@@ -12,7 +12,7 @@ initializers as inputs instead of holding attributes of its own. See docs/embedd
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
 from .operands import Ineligible
 from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
+from .widths import width_of
 
 
 class NotATable(Exception):
@@ -41,6 +42,7 @@ class Table:
     quantized: QuantizedWeight | None = None
     packed_name: str = ""
     scales_name: str = ""
+    gather_name: str = ""  # the first Gather node reading it (a ``bits`` pattern may name it)
 
     @property
     def name(self) -> str:
@@ -85,18 +87,30 @@ def plan_gather(node: onnx.NodeProto, scope: Scope, options: ExportOptions) -> T
         raise Ineligible(f"table has {table.size} elements, fewer than min_size={options.min_size}")
     if not np.all(np.isfinite(table)):
         raise Ineligible("table has NaN or infinite values")
-    return Table(data, np.ascontiguousarray(table, dtype=np.float32), list(folded.names), folded.value.nbytes)
+    return Table(
+        data, np.ascontiguousarray(table, dtype=np.float32), list(folded.names), folded.value.nbytes,
+        gather_name=node.name,
+    )
 
 
 class Tables:
-    """The embedding tables of one rewrite, each quantized once and written as two initializers of the main graph."""
+    """The embedding tables of one rewrite, each quantized once and written as two initializers of the main graph.
+
+    A table's width: ``widths[table.key]`` when given (``bits="auto"``: the tied head's
+    allocated width), else what the ``bits`` option gives its Gather's or its own name.
+    """
 
     def __init__(
-        self, options: ExportOptions, fresh: Callable[[str], str], write: Callable[[onnx.TensorProto], None] | None
+        self,
+        options: ExportOptions,
+        fresh: Callable[[str], str],
+        write: Callable[[onnx.TensorProto], None] | None,
+        widths: Mapping[str, int] | None = None,
     ) -> None:
         self.options = options
         self.fresh = fresh
         self.write = write
+        self.widths = widths or {}
         self.tables: list[Table] = []
         self.initializers: list[onnx.TensorProto] = []
 
@@ -118,7 +132,9 @@ class Tables:
     def quantize(self, table: Table) -> QuantizedWeight:
         """``table``'s int4 form, made (and its two initializers written) on first use."""
         if table.quantized is None:
-            qw = quantize_weight(table.value.T, self.options.group_size, self.options.scale_rule)
+            bits = self.widths.get(table.key) or width_of(self.options.bits, table.gather_name, table.name)
+            o = self.options
+            qw = quantize_weight(table.value.T, o.group_size, o.scale_rule, bits, o.scale_dtype)
             table.quantized = qw
             table.packed_name = self.fresh(f"{table.name}/int4_packed")
             table.scales_name = self.fresh(f"{table.name}/int4_scales")
@@ -139,4 +155,5 @@ class Tables:
             qw.k,
             qw.group_size,
             GATHER,
+            bits=qw.bits,
         ).to_node()

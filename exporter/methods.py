@@ -36,6 +36,7 @@ from .quantize import QuantizedWeight, quantize_weight
 from .rewrite import node_label
 from .scale_rules import AUTO_CHOICES
 from .summary import RuleChoice
+from .widths import width_of
 
 
 @dataclass
@@ -63,8 +64,11 @@ def quantize_candidates(
     options: ExportOptions,
     calibration: Calibration | None,
     factors: dict[str, Factor] | None = None,
+    widths: Mapping[str, int] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Every candidate of ``probe`` quantized with ``method`` ("rtn" or "gptq") and scale rule ``rule``.
+
+    ``widths`` (key -> bits) overrides the widths of ``options.bits`` (rtn only).
 
     ``factors`` holds GPTQ's factor of the last layer input (q, k and v share theirs), kept across calls.
     """
@@ -80,7 +84,8 @@ def quantize_candidates(
                 factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
             out[c.key] = gptq_quantize(c.w, factors[x], options.group_size, rule, block=options.gptq_block)
         else:
-            out[c.key] = quantize_weight(c.w, options.group_size, rule)
+            bits = widths[c.key] if widths is not None else width_of(options.bits, c.key)
+            out[c.key] = quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype)
     return out
 
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_group_size
+from ..contract import COMPUTE_MODES, DEFAULT_BITS, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_group_size
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
-from .quantize import DEFAULT_SCALE_RULE
+from .quantize import DEFAULT_SCALE_DTYPE, DEFAULT_SCALE_RULE, check_scale_dtype
 from .scale_rules import check_scale_rule
+from .widths import AUTO, Bits, normalize_bits
 
 # Output cosine the sensitivity analysis aims for on the calibration inputs (``feeds``).
 DEFAULT_TARGET_COSINE = 0.99
@@ -64,6 +65,10 @@ class ExportOptions:
     * ``keep_embedding``: leave every Gather on a constant table (the token embedding) FP32; by
       default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
       (docs/embeddings.md).
+    * ``bits`` (an int, ``{node name or regex: bits}``, or ``"auto"``), ``bits_budget`` (average
+      bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"float32"`` or
+      ``"float16"``): the code width of each layer and the stored scales' type
+      (exporter.widths, exporter.allocate, docs/widths.md).
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -81,6 +86,9 @@ class ExportOptions:
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
     gptq_act_order: bool = False  # sweep channels by decreasing H[k, k] (groups stay contiguous)
     keep_embedding: bool = False
+    bits: Bits = DEFAULT_BITS
+    bits_budget: float | None = None
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -93,6 +101,18 @@ class ExportOptions:
         if not (isinstance(self.gptq_block, int) and self.gptq_block > 0):
             raise ValueError(f"gptq_block must be a positive integer, got {self.gptq_block!r}")
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "bits", normalize_bits(self.bits))
+        check_scale_dtype(self.scale_dtype)
+        if self.method != "rtn" and (self.bits != DEFAULT_BITS or self.scale_dtype != DEFAULT_SCALE_DTYPE):
+            raise ValueError(
+                f"method {self.method!r} quantizes at {DEFAULT_BITS} bits with float32 scales only; "
+                f"use method 'rtn' with bits={self.bits!r}, scale_dtype={self.scale_dtype!r}"
+            )
+        if self.bits_budget is not None:
+            if self.bits != AUTO:
+                raise ValueError(f"bits_budget needs bits='auto' (got bits={self.bits!r})")
+            if not (isinstance(self.bits_budget, (int, float)) and 2.0 < self.bits_budget <= 32.0):
+                raise ValueError(f"bits_budget must be bits per weight in (2, 32], got {self.bits_budget!r}")
 
     @property
     def node_compute(self) -> str:

@@ -143,7 +143,7 @@ class Probe:
         for i in layers:
             c = self.candidates[i]
             qw = weights[c.key]
-            int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
+            int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits).astype(np.float32)
         found = []
         for b, rows in [(b, None) for b in range(len(self.batches))] if parts is None else parts:
             reference, outputs = self.reference(b), self._run(self.batches[b], int4)

@@ -1,4 +1,9 @@
-"""Symmetric INT4 quantization of a weight into the `CimInt4MatMul` attribute format (cim_int4.contract).
+"""Symmetric quantization of a weight into the `CimInt4MatMul` attribute format (cim_int4.contract).
+
+Written for 4 bits below; at another width b (``bits``) read 8 as ``2^(b-1)``, -8..7 as
+``q_range(b)`` and the nibbles as the contract's little-endian bit stream. With
+``scale_dtype="float16"`` each scale is rounded to float16 (finite, so clamped to +-65504)
+*before* the codes are chosen, so the codes fit the scale the file actually stores.
 
 For a weight ``W`` of shape ``[K, N]`` (``y = x @ W``) and group size ``g``:
 
@@ -25,40 +30,75 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract import DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES, check_group_size, pack
+from ..contract import (
+    DEFAULT_BITS,
+    DEFAULT_GROUP_SIZE,
+    SCALE_DTYPES,
+    SUPPORTED_GROUP_SIZES,
+    check_bits,
+    check_group_size,
+    pack,
+    q_range,
+)
 from .scale_rules import check_scale_rule, group_scales
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
+    "DEFAULT_SCALE_DTYPE",
     "DEFAULT_SCALE_RULE",
     "SUPPORTED_GROUP_SIZES",
     "QuantizedWeight",
     "check_group_size",
+    "check_scale_dtype",
     "pack",
     "quantize",
     "quantize_weight",
 ]
 # Chosen by measurement: docs/accuracy.md.
 DEFAULT_SCALE_RULE = "auto"
+DEFAULT_SCALE_DTYPE = "float32"
+_FLOAT16_MAX = np.float32(np.finfo(np.float16).max)
+
+
+def check_scale_dtype(scale_dtype: str) -> str:
+    """``scale_dtype`` if the op stores scales of that type (contract.SCALE_DTYPES), else ValueError."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+    return scale_dtype
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight in attribute form: ``packed`` uint8 [N, K_padded/2], ``scales`` float32 [N, groups]."""
+    """A weight in attribute form: ``packed`` uint8 [N, K_padded*bits/8], ``scales`` float32/float16 [N, groups]."""
 
     k: int
     n: int
     group_size: int
     packed: np.ndarray
     scales: np.ndarray
+    bits: int = DEFAULT_BITS
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales (what a node of this weight streams per token)."""
+        return self.packed.nbytes + self.scales.nbytes
 
 
 def quantize(
-    w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, scale_rule: str = DEFAULT_SCALE_RULE
+    w: np.ndarray,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    bits: int = DEFAULT_BITS,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in -8..7 and ``scales`` float32 [N, groups]."""
+    """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in ``q_range(bits)`` and ``scales`` [N, groups].
+
+    ``scales`` are of ``scale_dtype`` (float32 or float16); the codes are those of the stored scales.
+    """
     check_group_size(group_size)
     check_scale_rule(scale_rule)
+    check_bits(bits)
+    check_scale_dtype(scale_dtype)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     if not np.all(np.isfinite(w)):
@@ -70,12 +110,17 @@ def quantize(
     blocks = wt.reshape(n, groups, group_size)
     # Padding zeros never change a group's scale under any rule (all look at |w| extremes or
     # squared error, and a zero is exact on every grid).
-    scales = group_scales(blocks, scale_rule)
-    # scale 0 means every |w| of the group is below ~1e-44, so w / 1 rounds to q = 0.
-    safe = np.where(scales != 0, scales, np.float32(1.0))[:, :, None]
+    scales = group_scales(blocks, scale_rule, bits)
+    if scale_dtype == "float16":
+        scales = np.clip(scales, -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16)
+    # scale 0 means every |w| of the group is below ~1e-44 (float16: ~3e-8), so w / 1 rounds to q = 0
+    # (float16: to 0 or a code whose product with scale 0 is 0 all the same).
+    stored = scales.astype(np.float32)
+    safe = np.where(stored != 0, stored, np.float32(1.0))[:, :, None]
     np.divide(blocks, safe, out=blocks)
     np.rint(blocks, out=blocks)
-    q = np.clip(blocks, -8, 7, out=blocks).astype(np.int8)
+    lo, hi = q_range(bits)
+    q = np.clip(blocks, lo, hi, out=blocks).astype(np.int8)
     return q.reshape(n, groups * group_size), scales
 
 
@@ -84,22 +129,28 @@ _BLOCK_BYTES = 32 << 20
 
 
 def quantize_weight(
-    w: np.ndarray, group_size: int = DEFAULT_GROUP_SIZE, scale_rule: str = DEFAULT_SCALE_RULE
+    w: np.ndarray,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+    bits: int = DEFAULT_BITS,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
 ) -> QuantizedWeight:
-    """Quantize and pack a float ``[K, N]`` weight into the attribute format."""
+    """Quantize and pack a float ``[K, N]`` weight into the attribute format: ``bits`` wide, ``scale_dtype`` scales."""
     w = np.asarray(w, dtype=np.float32)
     check_group_size(group_size)
     check_scale_rule(scale_rule)
+    check_bits(bits)
+    check_scale_dtype(scale_dtype)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     k, n = w.shape
     groups = -(-k // group_size)
-    packed = np.empty((n, groups * group_size // 2), dtype=np.uint8)
-    scales = np.empty((n, groups), dtype=np.float32)
+    packed = np.empty((n, groups * group_size * bits // 8), dtype=np.uint8)
+    scales = np.empty((n, groups), dtype=scale_dtype)
     # Output channels are independent under every scale rule: blocks of them bound the temporaries.
     step = max(1, _BLOCK_BYTES // max(1, 4 * groups * group_size))
     for n0 in range(0, n, step):
-        q, s = quantize(w[:, n0 : n0 + step], group_size, scale_rule)
-        packed[n0 : n0 + step] = pack(q)
+        q, s = quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype)
+        packed[n0 : n0 + step] = pack(q, bits)
         scales[n0 : n0 + step] = s
-    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)
+    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import MATMUL_SHARED, OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node, SharedInt4Node
+from ..contract import DEFAULT_BITS, MATMUL_SHARED, OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node, SharedInt4Node
 from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
@@ -18,6 +18,7 @@ from .options import ExportOptions
 from .quantize import QuantizedWeight, quantize_weight
 from .subgraph import all_graphs, defined_names, drop_unused, subgraphs, uses_domain
 from .summary import ExportSummary, Rewritten, Skipped
+from .widths import width_of
 
 
 def node_label(node: onnx.NodeProto, index: int) -> str:
@@ -90,6 +91,7 @@ class Rewriter:
         keep: Mapping[str, str] | None = None,
         quantized: Mapping[str, QuantizedWeight] | None = None,
         tensors: TensorIO | None = None,
+        table_widths: Mapping[str, int] | None = None,
     ):
         self.model = model
         self.tensors = tensors
@@ -106,8 +108,9 @@ class Rewriter:
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
         self._ranks: dict[str, int] | None = None
+        self.widths_used: dict[str, int] = {}  # node key -> the width it was written at
         # Embedding tables (Gather on a constant table), shared with a tied LM head; none in a probe.
-        self.tables = Tables(options, self.fresh, tensors.write if tensors is not None else None)
+        self.tables = Tables(options, self.fresh, tensors.write if tensors is not None else None, table_widths)
         self.quantize_tables = self.quantizes_tables and not options.keep_embedding
 
     def fresh(self, base: str) -> str:
@@ -159,7 +162,7 @@ class Rewriter:
                 self.folded.update(table.sources)
                 self.summary.rewritten.append(
                     Rewritten(label, node.op_type, table.value.shape[1], table.value.shape[0], table.bytes_before,
-                              table.bytes_after, path, "embedding table")
+                              table.bytes_after, path, "embedding table", self.tables.quantize(table).bits)
                 )
                 continue
             if node.domain not in DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
@@ -190,12 +193,15 @@ class Rewriter:
             replaced[index], after = self.emit(node, plan, key, casts, initializers, table)
             self.folded.update(plan.sources)
             if after is not None:
+                bits = self.widths_used.get(key, DEFAULT_BITS)
                 before, notes = plan.bytes_before, plan.notes
                 if table is not None:
                     # The same initializer as the table's (behind a Transpose) is counted once, with the table.
                     before = 0 if set(plan.sources) & set(table.sources) else before
                     notes = "; ".join(x for x in (notes, f"tied: reads the int4 table of {table.name!r}") if x)
-                self.summary.rewritten.append(Rewritten(label, node.op_type, k, n, before, after, path, notes))
+                self.summary.rewritten.append(
+                    Rewritten(label, node.op_type, k, n, before, after, path, notes, bits, table is not None)
+                )
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):
             first, *rest = replaced[index]
@@ -311,16 +317,22 @@ class Rewriter:
         A subclass returns None for the bytes when its node is not an INT4 one (the summary then skips it).
         A tied head (``table``) reads the table's two initializers as inputs and adds no weight bytes.
         """
+        o = self.options
         if table is not None:
             qw = self.tables.quantize(table)
+            self.widths_used[key] = qw.bits
             inputs = (x, table.packed_name, table.scales_name)
             op = SharedInt4Node(
-                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, self.options.node_compute
+                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, o.node_compute, qw.bits
             ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
-        qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
+        qw = self.quantized.get(key) or quantize_weight(
+            plan.w, self.group_size, o.scale_rule, width_of(o.bits, key, base), o.scale_dtype
+        )
+        self.widths_used[key] = qw.bits
         op = Int4Node(
-            base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, self.options.node_compute
+            base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, o.node_compute,
+            bits=qw.bits,
         ).to_node()
         if self.tensors is not None:
             for a in op.attribute:
@@ -363,6 +375,7 @@ def rewrite_model(
     keep: Mapping[str, str] | None = None,
     quantized: Mapping[str, QuantizedWeight] | None = None,
     tensors: TensorIO | None = None,
+    table_widths: Mapping[str, int] | None = None,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
 
@@ -370,7 +383,10 @@ def rewrite_model(
     reason the summary gives; ``quantized`` holds weights already quantized (by key) with the same options.
     ``tensors`` reads weights held outside the proto and takes each new attribute tensor as it
     is made (the exporter streams them to the output file); by default everything is inline.
+    ``table_widths`` maps embedding tables (their Gather's data input) to a width (``bits="auto"``).
     """
     options = options or ExportOptions()
-    out, rewriter = run_rewrite(model, options, lambda m: Rewriter(m, options, keep, quantized, tensors))
+    out, rewriter = run_rewrite(
+        model, options, lambda m: Rewriter(m, options, keep, quantized, tensors, table_widths)
+    )
     return out, rewriter.summary

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract import DEFAULT_BITS, code_offset, q_range
+
 SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
 # What "auto" means without calibration inputs (up to AUTO_BALANCED_MAX_GROUP; "signed" above),
 # and the rules it chooses between with them.
@@ -78,41 +80,48 @@ def signed_extreme(blocks: np.ndarray) -> np.ndarray:
     return np.where(hi >= -lo, hi, lo)
 
 
-def group_scales(blocks: np.ndarray, scale_rule: str) -> np.ndarray:
-    """float32 scales [..., groups] for float32 ``blocks`` [..., groups, group_size] under ``scale_rule``."""
+def group_scales(blocks: np.ndarray, scale_rule: str, bits: int = DEFAULT_BITS) -> np.ndarray:
+    """float32 scales [..., groups] for float32 ``blocks`` [..., groups, group_size]: ``scale_rule``, ``bits`` wide.
+
+    At other widths than 4 every rule is the same with ``8`` read as ``2^(bits-1)``: ``amax8``
+    is ``max|w| / 2^(b-1)``, ``signed`` maps ``m`` to ``-2^(b-1)``, and ``mse``/``balanced``
+    search the divisors scaled by ``2^(b-1) / 8`` on the width's code range.
+    """
     check_scale_rule(scale_rule)
     if scale_rule == "auto":
         scale_rule = auto_rule(blocks.shape[-1])
+    offset = np.float32(code_offset(bits))
     if scale_rule == "amax8":
-        return (np.abs(blocks).max(axis=-1) / np.float32(8.0)).astype(np.float32)
+        return (np.abs(blocks).max(axis=-1) / offset).astype(np.float32)
     if scale_rule == "signed":
-        return (signed_extreme(blocks) / np.float32(-8.0)).astype(np.float32)
+        return (signed_extreme(blocks) / -offset).astype(np.float32)
     if scale_rule == "balanced":
-        return _balanced_scales(blocks)
+        return _balanced_scales(blocks, bits)
     flat = blocks.reshape(-1, blocks.shape[-1])
     rows = max(1, _MSE_CHUNK_ELEMENTS // max(1, flat.shape[1]))
     out = np.empty(flat.shape[0], dtype=np.float32)
     for start in range(0, flat.shape[0], rows):
-        out[start : start + rows] = _mse_scales(flat[start : start + rows])
+        out[start : start + rows] = _mse_scales(flat[start : start + rows], bits=bits)
     return out.reshape(blocks.shape[:-1])
 
 
-def _balanced_scales(blocks: np.ndarray) -> np.ndarray:
+def _balanced_scales(blocks: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
     """The balanced rule for float32 ``blocks`` [N, groups, g]: groups in K order, one column of N at a time."""
     n, groups, _ = blocks.shape
     scales = np.empty((n, groups), dtype=np.float32)
     carry = np.zeros(n, dtype=np.float64)  # the error sum so far along each output channel
+    lo, hi = q_range(bits)
     for j in range(groups):
         b = np.ascontiguousarray(blocks[:, j, :])
-        s = _mse_scales(b, carry)
+        s = _mse_scales(b, carry, bits)
         scales[:, j] = s
         # The codes exactly as quantize() will make them, so the carry is the true error sum.
-        q = np.clip(np.rint(b / np.where(s != 0, s, np.float32(1.0))[:, None]), -8, 7)
+        q = np.clip(np.rint(b / np.where(s != 0, s, np.float32(1.0))[:, None]), lo, hi)
         carry += (b - q * s[:, None]).sum(axis=1, dtype=np.float64)
     return scales
 
 
-def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarray:
+def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None, bits: int = DEFAULT_BITS) -> np.ndarray:
     """The mse rule for float32 ``blocks`` [R, g], or the balanced one given each row's ``carry`` (module doc)."""
     m = signed_extreme(blocks)
     am = np.abs(m)
@@ -125,9 +134,13 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
     vv = np.einsum("ij,ij->i", v, v)
     # All candidates at once: axis 0 of every array below is the candidate.
     flip = np.array([False] * len(MSE_DIVISORS) + [True] * len(MSE_FLIPPED_DIVISORS))
+    offset = code_offset(bits)
+    # The 4-bit divisors (around 8 steps) scaled to the width's 2^(b-1); exactly them at 4 bits.
     divisors = np.array(MSE_DIVISORS + MSE_FLIPPED_DIVISORS, dtype=np.float32)[:, None, None]
-    lo = np.where(flip, np.float32(-8), np.float32(-7))[:, None, None]
-    hi = np.where(flip, np.float32(7), np.float32(8))[:, None, None]
+    if offset != 8:
+        divisors = (divisors * np.float32(offset / 8)).astype(np.float32)
+    lo = np.where(flip, np.float32(-offset), np.float32(1 - offset))[:, None, None]
+    hi = np.where(flip, np.float32(offset - 1), np.float32(offset))[:, None, None]
 
     def score(q: np.ndarray, t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(objective, step) per candidate and row for codes ``q``; ``t`` None: the least-squares step."""
@@ -168,5 +181,5 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None) -> np.ndarr
     scales = (sign * am * best_t).astype(np.float32)
     # A step of |m|/6.5 or so cannot overflow 8|s| unless |m| is near FLT_MAX; use signed there.
     with np.errstate(over="ignore"):
-        finite = np.isfinite(np.float32(8.0) * scales)
-    return np.where(live & finite, scales, (m / np.float32(-8.0)).astype(np.float32)).astype(np.float32)
+        finite = np.isfinite(np.float32(offset) * scales)
+    return np.where(live & finite, scales, (m / np.float32(-offset)).astype(np.float32)).astype(np.float32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..contract import DEFAULT_BITS
+
 
 @dataclass(frozen=True)
 class LayerSensitivity:
@@ -99,6 +101,8 @@ class Rewritten:
     bytes_after: int
     path: str = ""
     notes: str = ""
+    bits: int = DEFAULT_BITS
+    tied: bool = False  # reads an embedding table's codes and scales: no weight bytes of its own
 
 
 @dataclass(frozen=True)
@@ -140,12 +144,21 @@ class ExportSummary:
         ]
         for r in self.rewritten:
             notes = f" ({r.notes})" if r.notes else ""
-            lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n}{notes}")
+            lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n} {r.bits}-bit{notes}")
         for s in self.skipped:
             lines.append(f"  skipped   {s.path}{s.op_type} {s.name!r}: {s.reason}")
         if self.rewritten:
             ratio = self.bytes_before / max(self.bytes_after, 1)
             lines.append(f"  weight bytes: {self.bytes_before:,} -> {self.bytes_after:,} ({ratio:.2f}x smaller)")
+            counted = [r for r in self.rewritten if not r.tied]  # a tied head's bytes are its table's
+            weights = sum(r.k * r.n for r in counted)
+            if weights:
+                bpw = 8 * sum(r.bytes_after for r in counted) / weights
+                widths = sorted({r.bits for r in self.rewritten})
+                lines.append(
+                    f"  bits per weight of the quantized layers: {bpw:.3f} (codes, scales and biases; widths "
+                    f"{', '.join(map(str, widths))})"
+                )
         if self.mixed_precision is not None:
             lines.append(self.mixed_precision.format())
         lines.extend(f"  warning: {w}" for w in self.warnings)

@@ -148,6 +148,42 @@ def _add_external_data(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bits_flag(text: str) -> object:
+    from .exporter.widths import parse_bits
+
+    try:
+        return parse_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_widths(p: argparse.ArgumentParser) -> None:
+    from .exporter.widths import SCALE_BITS
+
+    p.add_argument(
+        "--bits",
+        type=_bits_flag,
+        default=None,
+        metavar="B|auto|PATTERN=B,...",
+        help="code width of the layers: 2, 3, 4, 5, 6 or 8 (default 4); PATTERN=B,... per node name or regex "
+        "(others 4); auto: chosen per layer from sensitivity on --feeds (docs/widths.md)",
+    )
+    p.add_argument(
+        "--bits-budget",
+        type=float,
+        default=None,
+        metavar="B",
+        help="with --bits auto: average bits per weight, scales included (e.g. 3.5, 4.5); "
+        "without it auto reaches --target-cosine with the fewest bytes",
+    )
+    p.add_argument(
+        "--scale-dtype",
+        choices=tuple(SCALE_BITS),
+        default=None,
+        help="stored type of the group scales (default float32)",
+    )
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line (the usage itself is under --help)."""
 
@@ -220,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
         "a tied LM head shares its int4 tensors (docs/embeddings.md)",
     )
+    _add_widths(p)
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
