@@ -34,6 +34,8 @@ COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
 DEFAULT_METHOD = "rtn"
 CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that need calibration inputs
+# How bits="auto" measures each layer's sensitivity per width (exporter.allocate).
+BITS_SENSITIVITIES = ("auto", "exact", "proxy")
 
 
 def check_method(method: str) -> None:
@@ -89,6 +91,7 @@ class ExportOptions:
     bits: Bits = DEFAULT_BITS
     bits_budget: float | None = None
     scale_dtype: str = DEFAULT_SCALE_DTYPE
+    bits_sensitivity: str = "auto"  # bits="auto": one of BITS_SENSITIVITIES (exporter.allocate)
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -103,6 +106,8 @@ class ExportOptions:
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "bits", normalize_bits(self.bits))
         check_scale_dtype(self.scale_dtype)
+        if self.bits_sensitivity not in BITS_SENSITIVITIES:
+            raise ValueError(f"bits_sensitivity must be one of {BITS_SENSITIVITIES}, got {self.bits_sensitivity!r}")
         if self.method != "rtn" and (self.bits != DEFAULT_BITS or self.scale_dtype != DEFAULT_SCALE_DTYPE):
             raise ValueError(
                 f"method {self.method!r} quantizes at {DEFAULT_BITS} bits with float32 scales only; "

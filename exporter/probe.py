@@ -178,6 +178,31 @@ class Probe:
         self.runs += len(self.batches)
         return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
 
+    def input_power(self) -> dict[str, np.ndarray]:
+        """Candidate key -> ``E[x_k^2]`` per input channel over the batches (``calibrate=True``; main graph only).
+
+        One run per batch, which also keeps the FP32 outputs; float64 sums, one batch's inputs alive at a time.
+        """
+        assert self.session is not None
+        names = list(dict.fromkeys(self.inputs[c.key] for c in self.candidates if c.key in self.measured))
+        sums: dict[str, np.ndarray] = {}
+        counts = dict.fromkeys(names, 0)
+        known = {i.name for i in self.session.get_inputs()}
+        for b, batch in enumerate(self.batches):
+            self.runs += 1
+            values = self.session.run([*self.outputs, *names], {k: v for k, v in batch.items() if k in known})
+            self._keep(b, values[: len(self.outputs)])
+            for name, x in zip(names, values[len(self.outputs) :], strict=True):
+                rows = np.nan_to_num(x.reshape(-1, x.shape[-1]).astype(np.float64), posinf=0.0, neginf=0.0)
+                sums[name] = sums.get(name, 0) + np.einsum("rk,rk->k", rows, rows)
+                counts[name] += rows.shape[0]
+            del values
+        return {
+            c.key: sums[self.inputs[c.key]] / max(counts[self.inputs[c.key]], 1)
+            for c in self.candidates
+            if c.key in self.measured
+        }
+
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
         self._reference, self._compact = other._reference, other._compact

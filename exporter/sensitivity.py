@@ -40,6 +40,7 @@ import onnx
 from ..metrics import row_cosines, worst
 from ..ops.ort_model import proto_session
 from ..ops.session import session_options
+from .allocate import allocate
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
@@ -48,6 +49,7 @@ from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
 from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
+from .widths import AUTO
 
 
 def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -147,6 +149,8 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
+    if options.bits == AUTO:
+        return _export_auto_widths(model, batches, options)
     chosen, keep, quantized, report, probe = _plan(model, batches, options)
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
     del chosen
@@ -160,6 +164,28 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
         # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
         cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
         report.cosine_exported = worst(np.concatenate(cos))
+    return out, summary
+
+
+def _export_auto_widths(
+    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """``bits="auto"``: widths per layer (exporter.allocate), the rewrite, and the exported model's cosine."""
+    keep, quantized, table_widths, allocation, probe = allocate(model, batches, options, options.bits_sensitivity)
+    out, summary = rewrite_model(model, options, keep=keep, quantized=quantized, table_widths=table_widths)
+    del quantized
+    summary.allocation = allocation
+    summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
+    if summary.rewritten:
+        references = [probe.reference(i) for i in range(len(probe.batches))]
+        probe.session = None  # one session at a time
+        try:
+            int4 = proto_session(out, session_options(pin=False))
+        except Exception as e:  # noqa: BLE001 - an op library without these widths yet: report, do not fail
+            summary.warnings.append(f"exported model not run (ONNX Runtime: {str(e).splitlines()[0][:200]})")
+            return out, summary
+        cos = [row_cosines(references[i], int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+        allocation.cosine_exported = worst(np.concatenate(cos))
     return out, summary
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..contract import DEFAULT_BITS
 
@@ -127,6 +128,8 @@ class ExportSummary:
     warnings: list[str] = field(default_factory=list)
     # Set by a mixed-precision export: an object whose format() explains what stayed FP32.
     mixed_precision: MixedPrecision | None = None
+    # Set by a ``bits="auto"`` export (exporter.allocate.WidthAllocation): widths chosen per layer.
+    allocation: Any = None
 
     @property
     def bytes_before(self) -> int:
@@ -161,5 +164,7 @@ class ExportSummary:
                 )
         if self.mixed_precision is not None:
             lines.append(self.mixed_precision.format())
+        if self.allocation is not None:
+            lines.append(self.allocation.format())
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)

@@ -158,6 +158,7 @@ def _bits_flag(text: str) -> object:
 
 
 def _add_widths(p: argparse.ArgumentParser) -> None:
+    from .exporter.options import BITS_SENSITIVITIES
     from .exporter.widths import SCALE_BITS
 
     p.add_argument(
@@ -175,6 +176,13 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help="with --bits auto: average bits per weight, scales included (e.g. 3.5, 4.5); "
         "without it auto reaches --target-cosine with the fewest bytes",
+    )
+    p.add_argument(
+        "--bits-sensitivity",
+        choices=BITS_SENSITIVITIES,
+        default=None,
+        help="with --bits auto: exact (one run per layer and width), proxy (E[x^2] x weight error, one run per "
+        "layer) or auto (exact while it costs <= 400 runs)",
     )
     p.add_argument(
         "--scale-dtype",

@@ -1,0 +1,342 @@
+"""``bits="auto"``: a code width per layer from measured sensitivity, under a byte budget or for a target cosine.
+
+The analysis runs on the probe (``exporter.probe``: the model with each candidate layer's
+weight overridable, run in plain ONNX Runtime) over the calibration batches:
+
+1. one run per batch with FP32 weights: the reference outputs and, per candidate whose input
+   is a main-graph tensor, the per-input-channel power ``E[x_k^2]``;
+2. a *damage* per layer and width b in ``WIDTHS`` (FP32 has none): ``1 - cosine`` of the
+   outputs with only that layer at b bits, averaged over the calibration rows. Two measures:
+
+   * ``exact``: one run per layer and width (``L * len(WIDTHS)`` runs);
+   * ``proxy``: no run: the layer's relative output error on its inputs,
+     ``sum_k E[x_k^2] sum_n e[k, n]^2 / sum_k E[x_k^2] sum_n w[k, n]^2`` (e the weight error),
+     scaled per layer to the exact damage at 4 bits (``L`` runs, one per layer), so that
+     layers are compared at the model's output and widths by the weight error.
+
+   ``BITS_SENSITIVITIES`` (option ``bits_sensitivity``); ``auto`` uses ``exact`` while it costs
+   at most ``EXACT_MAX_RUNS`` runs, else the proxy;
+3. damages are assumed to add across layers. Each layer's (bytes, damage) points at every
+   width and FP32 form a lower convex hull; hull steps of all layers, taken in order of
+   damage saved per byte (a Lagrangian relaxation, optimal on the hulls), give the
+   allocation for any budget. With ``bits_budget`` the steps are taken while they fit (then
+   any smaller upgrade that still fits); without, the fewest steps whose allocation reaches
+   ``target_cosine`` in a full run (bisection over the step count, ``log2`` of it runs).
+
+A budget is bits per weight over every candidate layer (codes with K's padding, scales,
+32 for a layer left FP32); a tied LM head counts once, with its embedding table, which
+takes the head's width. Embedding tables without a tied head are not in the budget: they
+get ``DEFAULT_BITS`` (they stream one row per token, not every weight).
+
+Memory: no copy of the model per layer or width; one layer's quantized weight is alive at a
+time besides the chosen ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..contract import DEFAULT_BITS, SUPPORTED_BITS
+from ..ops.reference import dequantize
+from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
+from .probe import Probe
+from .quantize import QuantizedWeight, quantize_weight
+from .scale_rules import AUTO_CHOICES
+from .widths import FP32_BITS, bits_per_weight
+
+WIDTHS = SUPPORTED_BITS
+# ``auto`` measures exactly while that costs at most this many runs of the model over the batches.
+EXACT_MAX_RUNS = 400
+
+
+@dataclass(frozen=True)
+class LayerWidth:
+    """One candidate layer's outcome: its width (None: FP32), weights, and damage per width (measured or proxy)."""
+
+    name: str
+    weights: int
+    bits: int | None
+    damage: Mapping[int, float]
+    proxy: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class WidthAllocation:
+    """What ``bits="auto"`` decided: the width per layer, the budget or target, what the model reached."""
+
+    budget: float | None
+    target_cosine: float
+    sensitivity: str
+    scale_rule: str
+    layers: list[LayerWidth] = field(default_factory=list)
+    bits_per_weight: float = 0.0
+    cosine_probe: float = 1.0  # worst row, chosen widths, dequantized weights in ORT
+    mean_cosine_probe: float = 1.0
+    cosine_exported: float | None = None
+    runs: int = 0
+    rank_correlation: float | None = None  # Spearman, proxy vs exact damage at 4 bits (when both were measured)
+
+    def format(self) -> str:
+        """Lines for the export summary."""
+        goal = f"budget {self.budget} bits per weight" if self.budget else f"target output cosine {self.target_cosine}"
+        counts = {}
+        for layer in self.layers:
+            counts[layer.bits] = counts.get(layer.bits, 0) + 1
+        mix = ", ".join(
+            f"{n} at {'FP32' if b is None else f'{b} bits'}"
+            for b, n in sorted(counts.items(), key=lambda x: 99 if x[0] is None else x[0])
+        )
+        lines = [
+            f"  bits auto: {goal}, sensitivity {self.sensitivity}, scale rule {self.scale_rule} "
+            f"({self.runs} model runs)",
+            f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
+            f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "
+            "(dequantized weights in ORT)",
+        ]
+        if self.rank_correlation is not None:
+            lines.append(f"    proxy vs exact damage at 4 bits: Spearman rank correlation {self.rank_correlation:.3f}")
+        if self.cosine_exported is not None:
+            lines.append(f"    exported model: cosine {self.cosine_exported:.6f}")
+        return "\n".join(lines)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long sequences (ties ranked by order; NaN for < 2 items)."""
+    if len(a) < 2:
+        return float("nan")
+    ra = np.argsort(np.argsort(np.asarray(a, dtype=np.float64)))
+    rb = np.argsort(np.argsort(np.asarray(b, dtype=np.float64)))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None) -> float:
+    """``sum_k p_k sum_n e_kn^2 / sum_k p_k sum_n w_kn^2``, e the weight error of ``qw`` (p = 1 without ``power``)."""
+    e = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits) - w
+    err, ref = np.einsum("kn,kn->k", e, e), np.einsum("kn,kn->k", w, w, dtype=np.float64)
+    p = np.ones(w.shape[0]) if power is None else power.astype(np.float64)
+    return float(p @ err / max(float(p @ ref), 1e-30))
+
+
+def _hull(points: list[tuple[float, float, int | None]]) -> list[tuple[float, float, int | None]]:
+    """Lower convex hull of (bytes, damage, width) points, from the cheapest: damage strictly falls along it."""
+    pts = sorted(points, key=lambda p: (p[0], p[1]))
+    hull: list[tuple[float, float, int | None]] = []
+    for p in pts:
+        if hull and p[1] >= hull[-1][1]:
+            continue  # more bytes for no less damage
+        while len(hull) >= 2:
+            (x1, y1, _), (x2, y2, _) = hull[-2], hull[-1]
+            # drop hull[-1] if it lies on or above the segment hull[-2] -> p
+            if (y2 - y1) * (p[0] - x1) >= (p[1] - y1) * (x2 - x1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+@dataclass(frozen=True)
+class Step:
+    """One upgrade of a layer along its hull: to ``bits`` (None: FP32) for ``extra`` bytes, saving ``saved`` damage."""
+
+    layer: int
+    bits: int | None
+    extra: float
+    saved: float
+
+
+def steps_in_order(
+    costs: Sequence[Mapping[int | None, float]], damages: Sequence[Mapping[int | None, float]]
+) -> tuple[list[int | None], list[Step]]:
+    """Each layer's cheapest hull width and every hull step of every layer, best damage saved per byte first."""
+    start, steps = [], []
+    for i, (cost, damage) in enumerate(zip(costs, damages, strict=True)):
+        hull = _hull([(cost[b], damage[b], b) for b in cost])
+        start.append(hull[0][2])
+        for (c0, d0, _), (c1, d1, b1) in zip(hull, hull[1:], strict=False):
+            steps.append(Step(i, b1, c1 - c0, d0 - d1))
+    # Convex hulls: each layer's own steps come out in its order (falling slope).
+    steps.sort(key=lambda s: s.saved / s.extra, reverse=True)
+    return start, steps
+
+
+def apply_steps(start: Sequence[int | None], steps: Sequence[Step]) -> list[int | None]:
+    """The widths after taking ``steps`` (in order) from ``start``."""
+    widths = list(start)
+    for s in steps:
+        widths[s.layer] = s.bits
+    return widths
+
+
+def within_budget(
+    start: Sequence[int | None],
+    steps: Sequence[Step],
+    costs: Sequence[Mapping[int | None, float]],
+    damages: Sequence[Mapping[int | None, float]],
+    budget_bytes: float,
+) -> list[int | None]:
+    """Take hull steps in order while they fit ``budget_bytes``; then spend what is left on single upgrades."""
+    widths = list(start)
+    spent = sum(c[b] for c, b in zip(costs, widths, strict=True))
+    if spent > budget_bytes * (1 + 1e-9):
+        raise ValueError(
+            f"bits_budget is below the cheapest allocation ({spent * 8 / _weights(costs):.3f} bits per weight "
+            "with every layer at its narrowest width)"
+        )
+    for s in steps:
+        if widths[s.layer] is not None and spent + s.extra <= budget_bytes:
+            # steps of one layer come in hull order, so s starts where the layer is
+            spent += costs[s.layer][s.bits] - costs[s.layer][widths[s.layer]]
+            widths[s.layer] = s.bits
+    # Greedy top-up: the upgrade (any wider width) saving most damage per byte that still fits.
+    while True:
+        best = None
+        for i, (c, d) in enumerate(zip(costs, damages, strict=True)):
+            for b in c:
+                extra = c[b] - c[widths[i]]
+                saved = d[widths[i]] - d[b]
+                if extra > 0 and saved > 0 and spent + extra <= budget_bytes:
+                    if best is None or saved / extra > best[0]:
+                        best = (saved / extra, i, b, extra)
+        if best is None:
+            return widths
+        _, i, b, extra = best
+        widths[i], spent = b, spent + extra
+
+
+def _weights(costs: Sequence[Mapping[int | None, float]]) -> float:
+    """Weights of all layers (FP32 bytes / 4)."""
+    return sum(c[None] for c in costs) / 4
+
+
+def table_of_tied(model: onnx.ModelProto, probe: Probe) -> dict[str, str]:
+    """Candidate key -> the Gather data input (an initializer table) whose transpose is the candidate's weight."""
+    inits = {t.name: t for t in model.graph.initializer}
+    tables = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.input and node.input[0] in inits and node.input[0] not in tables:
+            t = inits[node.input[0]]
+            if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT:
+                tables[node.input[0]] = tuple(t.dims)
+    found = {}
+    for c in probe.candidates:
+        for name, dims in tables.items():
+            if dims == c.w.shape[::-1] and np.array_equal(numpy_helper.to_array(inits[name]).T, c.w):
+                found[c.key] = name
+    return found
+
+
+def allocate(
+    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions, sensitivity: str = "auto"
+) -> tuple[dict[str, str], dict[str, QuantizedWeight], dict[str, int], WidthAllocation, Probe]:
+    """Layers kept FP32 (key -> reason), the others' quantized weights, tied tables' widths, the report, the probe."""
+    if sensitivity not in BITS_SENSITIVITIES:
+        raise ValueError(f"sensitivity must be one of {BITS_SENSITIVITIES}, got {sensitivity!r}")
+    probe = Probe(model, options, batches, calibrate=True)
+    candidates = probe.candidates
+    report = WidthAllocation(options.bits_budget, options.target_cosine, sensitivity, options.scale_rule)
+    if not candidates:
+        return {}, {}, {}, report, probe
+    power = probe.input_power()
+    gs, dtype = options.group_size, options.scale_dtype
+
+    def quantized(i: int, bits: int, rule: str) -> QuantizedWeight:
+        return quantize_weight(candidates[i].w, gs, rule, bits, dtype)
+
+    def mean_damage(weights: Mapping[str, QuantizedWeight], layers: Sequence[int]) -> tuple[float, float]:
+        rows = probe.cosines(layers, weights)
+        return float(np.mean(1.0 - rows)) if rows.size else 0.0, float(rows.min()) if rows.size else 1.0
+
+    rule = options.scale_rule
+    if rule == "auto":  # the rule closest to FP32 with every layer at 4 bits (as calibrate's choice)
+        tried = {}
+        for r in AUTO_CHOICES:
+            weights = {c.key: quantized(i, DEFAULT_BITS, r) for i, c in enumerate(candidates)}
+            tried[r] = mean_damage(weights, range(len(candidates)))[0]
+            del weights
+        rule = min(tried, key=lambda r: tried[r])
+    report.scale_rule = rule
+
+    layers = range(len(candidates))
+    mode = sensitivity
+    if mode == "auto":
+        mode = "exact" if len(candidates) * len(WIDTHS) <= EXACT_MAX_RUNS else "proxy"
+    report.sensitivity = mode
+    proxy: list[dict[int, float]] = [{} for _ in layers]
+    measured: list[dict[int, float]] = [{} for _ in layers]
+    for i in layers:  # one quantization per layer and width; one run per width measured
+        c = candidates[i]
+        for b in WIDTHS:
+            qw = quantized(i, b, rule)
+            proxy[i][b] = relative_error(c.w, qw, power.get(c.key))
+            if mode == "exact" or b == DEFAULT_BITS:
+                measured[i][b] = mean_damage({c.key: qw}, [i])[0]
+            del qw
+    if mode == "proxy":
+        # The layer's exact damage at 4 bits, carried to the other widths by its weight error's ratio.
+        for i in layers:
+            scale = measured[i][DEFAULT_BITS] / max(proxy[i][DEFAULT_BITS], 1e-30)
+            measured[i] = {b: proxy[i][b] * scale for b in WIDTHS}
+    report.rank_correlation = spearman(
+        [measured[i][DEFAULT_BITS] for i in layers], [proxy[i][DEFAULT_BITS] for i in layers]
+    )
+
+    tied = {} if options.keep_embedding else table_of_tied(model, probe)
+    costs = []
+    for c in candidates:
+        k, n = c.w.shape
+        cost: dict[int | None, float] = {b: bits_per_weight(k, n, gs, b, dtype) * k * n / 8 for b in WIDTHS}
+        cost[None] = FP32_BITS * k * n / 8
+        costs.append(cost)
+    damages = [{**m, None: 0.0} for m in measured]
+    start, steps = steps_in_order(costs, damages)
+    weights_total = _weights(costs)
+
+    def weights_of(widths: Sequence[int | None]) -> dict[str, QuantizedWeight]:
+        return {candidates[i].key: quantized(i, b, rule) for i, b in enumerate(widths) if b is not None}
+
+    def cosine_of(widths: Sequence[int | None]) -> tuple[float, float, dict[str, QuantizedWeight]]:
+        weights = weights_of(widths)
+        rows = probe.cosines([i for i, b in enumerate(widths) if b is not None], weights)
+        return float(rows.min()), float(rows.mean()), weights
+
+    if options.bits_budget is not None:
+        widths = within_budget(start, steps, costs, damages, options.bits_budget * weights_total / 8)
+        worst, mean, chosen = cosine_of(widths)
+    else:
+        # The fewest steps (bytes) whose allocation reaches the target: a guess from the damages
+        # (assumed to add), then bisection with full runs; taking every step (all FP32) reaches it.
+        target = options.target_cosine
+        remaining = np.cumsum([s.saved for s in steps][::-1])[::-1].tolist() + [0.0]
+        guess = next(j for j in range(len(steps) + 1) if remaining[j] <= 1.0 - target)
+        lo, hi, best = -1, len(steps), None
+        j = guess
+        while True:
+            found = cosine_of(apply_steps(start, steps[:j]))
+            if found[0] >= target:
+                hi, best = j, found
+            else:
+                lo = j
+            if hi - lo <= 1:
+                break
+            j = (lo + hi) // 2
+        widths = apply_steps(start, steps[:hi])
+        worst, mean, chosen = best if best is not None else cosine_of(widths)
+    report.cosine_probe, report.mean_cosine_probe = worst, mean
+    report.bits_per_weight = 8 * sum(c[b] for c, b in zip(costs, widths, strict=True)) / weights_total
+    report.layers = [
+        LayerWidth(c.key, int(c.w.size), widths[i], measured[i], proxy[i]) for i, c in enumerate(candidates)
+    ]
+    report.runs = probe.runs
+    keep = {
+        c.key: f"kept in FP32 by bits auto (damage at 8 bits {measured[i][8]:.2e})"
+        for i, c in enumerate(candidates)
+        if widths[i] is None
+    }
+    table_widths = {tied[c.key]: widths[i] for i, c in enumerate(candidates) if c.key in tied and widths[i]}
+    return keep, chosen, table_widths, report, probe

@@ -1,0 +1,143 @@
+"""bits="auto": widths per layer from measured sensitivity, under a byte budget or for a target cosine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cim_int4.exporter import export_with_summary
+from cim_int4.exporter.allocate import _hull, spearman, steps_in_order, within_budget
+from cim_int4.graphs import random_input
+from cim_int4.ops.reference import dequantize
+
+from cim_int4.contract import GATHER, MATMUL_SHARED, is_op_node
+from cim_int4.metrics import row_cosines
+
+MODELS = Path(__file__).parent / "models"
+ZOO = Path(__file__).parent / "zoo"
+
+
+def _twin_outputs(model: onnx.ModelProto, quantized: onnx.ModelProto, feeds: dict) -> tuple[list, list]:
+    """FP32 outputs and those of ``quantized`` with every attribute-form node's weight dequantized back to FP32."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    from dequantized_twin import twin
+
+    def run(m: onnx.ModelProto) -> list:
+        s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return s.run([o.name for o in m.graph.output], feeds)
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(quantized)
+    return run(model), run(twin(copy))
+
+
+def test_hull_keeps_only_points_that_pay() -> None:
+    # (bytes, damage, width): 3 lies above the segment 2 -> 4, 5 gains nothing over 4
+    points = [(2.0, 1.0, 2), (3.0, 0.9, 3), (4.0, 0.2, 4), (5.0, 0.2, 5), (32.0, 0.0, None)]
+    assert [p[2] for p in _hull(points)] == [2, 4, None]
+
+
+def test_budget_allocation_spends_bytes_where_they_save_most() -> None:
+    costs = [{2: 2.0, 4: 4.0, None: 32.0}, {2: 2.0, 4: 4.0, None: 32.0}]
+    damages = [{2: 1.0, 4: 0.1, None: 0.0}, {2: 0.05, 4: 0.01, None: 0.0}]
+    start, steps = steps_in_order(costs, damages)
+    assert start == [2, 2]
+    assert within_budget(start, steps, costs, damages, 6.0) == [4, 2]  # the sensitive layer first
+    assert within_budget(start, steps, costs, damages, 8.0) == [4, 4]
+    assert within_budget(start, steps, costs, damages, 4.0) == [2, 2]
+    with pytest.raises(ValueError, match="below the cheapest"):
+        within_budget(start, steps, costs, damages, 3.0)
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    with np.load(MODELS / "llama.npz") as data:
+        feeds = {k: data[k] for k in data.files}
+    return onnx.load(MODELS / "llama.onnx"), feeds
+
+
+@pytest.mark.parametrize("budget", [3.0, 4.5])
+def test_budget_is_met_and_beats_the_uniform_width_of_the_same_bytes(llama, budget: float) -> None:
+    model, feeds = llama
+    # embedding FP32: the probe measures MatMuls only, so its cosine is then the export's
+    common = {"scale_dtype": "float16", "scale_rule": "signed", "keep_embedding": True}
+    out, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=budget, **common)
+    allocation = summary.allocation
+    assert allocation is not None and allocation.bits_per_weight <= budget + 1e-9
+    assert allocation.bits_per_weight > budget - 0.5  # the budget is spent, not left idle
+    assert len({layer.bits for layer in allocation.layers}) > 1  # a mix, not one width
+    text = summary.format()
+    assert f"budget {budget} bits per weight" in text and "-bit" in text
+    # Uniform at the width of about the same bytes (fp16 scales: b + 0.5 bits per weight).
+    uniform, _ = export_with_summary(model, bits=int(budget - 0.5), **common)
+    ref, auto_out = _twin_outputs(model, out, feeds)
+    _, uni_out = _twin_outputs(model, uniform, feeds)
+    assert np.mean(row_cosines(ref, auto_out)) > np.mean(row_cosines(ref, uni_out))
+    # The probe's cosine is the dequantized model's (same weights, same runtime)
+    assert np.min(row_cosines(ref, auto_out)) == pytest.approx(allocation.cosine_probe, abs=1e-4)
+
+
+def test_target_cosine_is_reached_with_fewer_bytes_than_keeping_layers_fp32(llama) -> None:
+    model, feeds = llama
+    common = {"scale_rule": "signed", "keep_embedding": True}  # the analysis sees the MatMuls only
+    out, summary = export_with_summary(model, feeds=feeds, bits="auto", target_cosine=0.995, **common)
+    allocation = summary.allocation
+    ref, got = _twin_outputs(model, out, feeds)
+    assert np.min(row_cosines(ref, got)) >= 0.995
+    assert allocation.cosine_probe >= 0.995
+    # the same target by keeping whole layers FP32 (every other layer 4-bit) writes a bigger model
+    fp32_mixed, _ = export_with_summary(model, feeds=feeds, target_cosine=0.995, **common)
+    assert out.ByteSize() < fp32_mixed.ByteSize()
+
+
+def test_proxy_and_exact_sensitivities_are_both_reported(llama) -> None:
+    model, feeds = llama
+    for mode in ("exact", "proxy"):
+        _, summary = export_with_summary(
+            model, feeds=feeds, bits="auto", bits_budget=4.0, bits_sensitivity=mode, scale_rule="signed"
+        )
+        allocation = summary.allocation
+        assert allocation.sensitivity == mode and -1.0 <= allocation.rank_correlation <= 1.0
+        layer = allocation.layers[0]
+        assert set(layer.damage) == {2, 3, 4, 5, 6, 8} and set(layer.proxy) == {2, 3, 4, 5, 6, 8}
+        # more bits, less weight error, for every layer (the proxy is monotone in width)
+        assert all(all(x.proxy[a] > x.proxy[b] for a, b in [(2, 3), (3, 4), (4, 5), (5, 6), (6, 8)])
+                   for x in allocation.layers)  # fmt: skip
+
+
+def test_a_tied_head_and_its_table_share_one_width() -> None:
+    model = onnx.load(ZOO / "qwen2_tied_dynamo.onnx")
+    feeds = random_input(model, {}, seed=0)
+    out, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=6.0, scale_rule="signed")
+    heads = [n for n in out.graph.node if is_op_node(n, MATMUL_SHARED) and len(n.input) == 3]
+    gathers = [n for n in out.graph.node if is_op_node(n, GATHER)]
+    assert heads and gathers
+    width = {a.name: a.i for a in gathers[0].attribute}.get("bits", 4)
+    assert all({a.name: a.i for a in h.attribute}.get("bits", 4) == width for h in heads)
+    head = next(
+        x
+        for x in summary.allocation.layers
+        if x.bits is not None and x.weights == max(y.weights for y in summary.allocation.layers)
+    )
+    assert head.bits == width
+    inits = {t.name: t for t in out.graph.initializer}
+    packed = onnx.numpy_helper.to_array(inits[gathers[0].input[0]])
+    scales = onnx.numpy_helper.to_array(inits[gathers[0].input[2]])
+    k = {a.name: a.i for a in gathers[0].attribute}["K"]
+    assert np.isfinite(dequantize(packed, scales, k, 32, width)).all()
+
+
+def test_auto_without_feeds_is_a_one_line_error(llama) -> None:
+    model, _ = llama
+    with pytest.raises(ValueError, match="bits='auto' needs calibration inputs"):
+        export_with_summary(model, bits="auto")
