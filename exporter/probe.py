@@ -203,6 +203,11 @@ class Probe:
             if c.key in self.measured
         }
 
+    def release_session(self) -> None:
+        """Drop the session (its copy of the weights) when the FP32 outputs of every batch are kept."""
+        if self._reference is not None and len(self._reference) == len(self.batches):
+            self.session = None
+
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
         self._reference, self._compact = other._reference, other._compact

@@ -160,11 +160,25 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
     elif options.method != "rtn" or options.scale_rule == "auto":
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        int4 = proto_session(out, session_options(pin=False))
-        # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
-        cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
-        report.cosine_exported = worst(np.concatenate(cos))
+        report.cosine_exported = _exported_cosine(out, probe, summary)
     return out, summary
+
+
+def _exported_cosine(out: onnx.ModelProto, probe: Probe, summary: ExportSummary) -> float | None:
+    """Worst cosine of the exported model (run with the op library) vs the probe's FP32 outputs on the batches.
+
+    None, with a warning in ``summary``, when the op library on this machine does not run the
+    model (widths or scale types whose kernels it does not have yet).
+    """
+    probe.release_session()
+    try:
+        int4 = proto_session(out, session_options(pin=False))
+    except Exception as e:  # noqa: BLE001 - ORT raises several types for a node the library refuses
+        summary.warnings.append(f"exported model not run here (ONNX Runtime: {str(e).splitlines()[0][:240]})")
+        return None
+    # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
+    cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+    return worst(np.concatenate(cos))
 
 
 def _export_auto_widths(
@@ -177,15 +191,7 @@ def _export_auto_widths(
     summary.allocation = allocation
     summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
     if summary.rewritten:
-        references = [probe.reference(i) for i in range(len(probe.batches))]
-        probe.session = None  # one session at a time
-        try:
-            int4 = proto_session(out, session_options(pin=False))
-        except Exception as e:  # noqa: BLE001 - an op library without these widths yet: report, do not fail
-            summary.warnings.append(f"exported model not run (ONNX Runtime: {str(e).splitlines()[0][:200]})")
-            return out, summary
-        cos = [row_cosines(references[i], int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
-        allocation.cosine_exported = worst(np.concatenate(cos))
+        allocation.cosine_exported = _exported_cosine(out, probe, summary)
     return out, summary
 
 

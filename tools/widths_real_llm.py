@@ -34,8 +34,9 @@ def _child(args: argparse.Namespace) -> None:
     from measure_methods import calibration_windows
 
     folder, out = Path(args.folder), Path(args.out)
-    feeds = calibration_windows(folder, Path(args.calib), args.windows)
     options = json.loads(args.options)
+    # "feeds": false exports without calibration inputs (a uniform width needs none)
+    feeds = calibration_windows(folder, Path(args.calib), args.windows) if options.pop("feeds", True) else None
     model = folder / json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"]
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
