@@ -51,7 +51,7 @@ class ProbeRewriter(Rewriter):
     def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
         super().__init__(model, options)
         self.candidates: list[Candidate] = []
-        self.probe_weights: list[onnx.TensorProto] = []
+        self.probe_weights: list[onnx.ValueInfoProto] = []  # graph inputs, fed the candidates' arrays
 
     def core(
         self,
@@ -64,8 +64,9 @@ class ProbeRewriter(Rewriter):
         table: object = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
-        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
-        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
+        w = np.ascontiguousarray(plan.w, dtype=np.float32)
+        self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
+        self.candidates.append(Candidate(key, w_name, w, plan.bias))
         if plan.bias is None:
             return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
         b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
@@ -77,19 +78,37 @@ class ProbeRewriter(Rewriter):
         ], None
 
 
+class WeightFeeding:
+    """A probe session that feeds every candidate's FP32 weight (a graph input) unless the feeds override it.
+
+    The weights stay in the candidates' arrays, handed to ORT per run without a copy: the probe
+    model holds none, so there is one copy of the weights instead of three (model, proto, session).
+    """
+
+    def __init__(self, session: ort.InferenceSession, weights: Mapping[str, np.ndarray]) -> None:
+        self.session, self.weights = session, weights
+
+    def run(self, outputs: Sequence[str] | None, feeds: Mapping[str, object]) -> list:
+        """``InferenceSession.run`` with the FP32 weights under ``feeds``."""
+        return self.session.run(outputs, {**self.weights, **feeds})
+
+    def get_inputs(self) -> list:
+        """The session's inputs."""
+        return self.session.get_inputs()
+
+
 def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
     """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
 
     Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
     feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
+    The weights are graph inputs without initializers: a session of the probe is fed the
+    candidates' arrays (``WeightFeeding``).
     """
     out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options))
     assert isinstance(rewriter, ProbeRewriter)
     graph = out.graph
-    graph.initializer.extend(rewriter.probe_weights)
-    graph.input.extend(
-        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
-    )
+    graph.input.extend(rewriter.probe_weights)
     return out, rewriter.candidates
 
 
@@ -122,7 +141,8 @@ class Probe:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-        self.session = proto_session(probe, quiet) if self.candidates else None
+        weights = {c.weight_name: c.w for c in self.candidates}
+        self.session = WeightFeeding(proto_session(probe, quiet), weights) if self.candidates else None
         del probe
         self.batches = list(batches)
         self.runs = 0
