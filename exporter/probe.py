@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
 from ..metrics import row_cosines
@@ -48,8 +49,8 @@ class ProbeRewriter(Rewriter):
 
     quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
 
-    def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
-        super().__init__(model, options)
+    def __init__(self, model: onnx.ModelProto, options: ExportOptions, tensors: _Originals | None = None) -> None:
+        super().__init__(model, options, tensors=tensors)
         self.candidates: list[Candidate] = []
         self.probe_weights: list[onnx.ValueInfoProto] = []  # graph inputs, fed the candidates' arrays
 
@@ -97,6 +98,62 @@ class WeightFeeding:
         return self.session.get_inputs()
 
 
+class _Originals:
+    """The main-graph initializers of the model being probed, read by name from it (no copy of their bytes)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.tensors = {t.name: t for t in model.graph.initializer}
+
+    def read(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The values of the original of ``tensor`` (a stub of the same name, or a tensor of a subgraph)."""
+        original = self.tensors.get(tensor.name)
+        return numpy_helper.to_array(original if original is not None and not tensor.raw_data else tensor)
+
+    def write(self, tensor: onnx.TensorProto) -> None:
+        """Nothing to do: the probe writes no attribute tensors."""
+
+    def fill(self, graph: onnx.GraphProto) -> None:
+        """Give the stubs left in ``graph`` (initializers the probe still reads: norms, tables) their data."""
+        for t in graph.initializer:
+            if t.name in self.tensors and _is_stub(t):
+                t.CopyFrom(self.tensors[t.name])
+
+
+def _is_stub(t: onnx.TensorProto) -> bool:
+    return not t.raw_data and t.data_location != onnx.TensorProto.EXTERNAL and not any(
+        (t.float_data, t.int32_data, t.int64_data, t.double_data, t.uint64_data, t.string_data)
+    )
+
+
+def _copy_fields(src: Message, dst: Message, skip: str) -> None:
+    """Copy every set field of ``src`` but ``skip`` into ``dst``."""
+    for desc, value in src.ListFields():
+        if desc.name == skip:
+            continue
+        if desc.is_repeated:
+            getattr(dst, desc.name).extend(value)
+        elif desc.message_type is not None:
+            getattr(dst, desc.name).CopyFrom(value)
+        else:
+            setattr(dst, desc.name, value)
+
+
+def _hollow(model: onnx.ModelProto) -> tuple[onnx.ModelProto, _Originals]:
+    """A copy of ``model`` whose main-graph initializers are stubs (name, type, dims), and the originals' reader.
+
+    The rewrite reads the weights it folds from the originals; run_rewrite's own copy then
+    copies no weight bytes.
+    """
+    originals = _Originals(model)
+    hollow = onnx.ModelProto()
+    _copy_fields(model, hollow, skip="graph")
+    _copy_fields(model.graph, hollow.graph, skip="initializer")
+    hollow.graph.initializer.extend(
+        onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims) for t in model.graph.initializer
+    )
+    return hollow, originals
+
+
 def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
     """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
 
@@ -105,9 +162,12 @@ def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.Mo
     The weights are graph inputs without initializers: a session of the probe is fed the
     candidates' arrays (``WeightFeeding``).
     """
-    out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options))
+    hollow, originals = _hollow(model)
+    out, rewriter = run_rewrite(hollow, options, lambda m: ProbeRewriter(m, options, originals))
+    del hollow
     assert isinstance(rewriter, ProbeRewriter)
     graph = out.graph
+    originals.fill(graph)
     graph.input.extend(rewriter.probe_weights)
     return out, rewriter.candidates
 

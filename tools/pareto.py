@@ -14,9 +14,8 @@ Ours run with the op library when it runs the model, else as the dequantized-FP3
 ``how`` column says which. The float16-vs-float32 scales comparison per case: the difference of
 mean cosine beside the standard error of a batch's mean cosine (the noise between draws).
 
-``--llm``: perplexity JSON files of ``cim-int4 perplexity --json`` whose model labels name a
-bits per weight as ``...@B`` (e.g. ``auto45@4.5``) add the real-LLM points (gap to FP32 as a
-multiple of the file's MatMulNBits RTN gap).
+``--llm``: scores.json files of ``tools/widths_real_llm.py score`` add the real-LLM points
+(perplexity, and the gap to FP32 as a multiple of MatMulNBits int4 RTN's on the same windows).
 
 ``--speed``: M = 1 decode time of a ``--chain-layers`` x ``--chain-dim``^2 MatMul chain per
 variant the op library runs (interleaved rounds, median), 1 and 2 threads; a variant it does
@@ -163,23 +162,8 @@ def scale_dtype_noise(rows: list[dict]) -> list[dict]:
 
 
 def llm_points(files: list[str]) -> list[dict]:
-    """Real-LLM points from ``cim-int4 perplexity --json`` files: label ``name@bits_per_weight``."""
-    points = []
-    for path in files:
-        data = json.loads(Path(path).read_text())
-        models = data.get("models", data)
-        rtn = next((m for m in models if "MatMulNBits" in m.get("label", "") or "int4" in m.get("label", "")), None)
-        fp32 = data.get("reference", {}).get("perplexity")
-        for m in models:
-            label = m.get("label", "")
-            if "@" not in label:
-                continue
-            name, bpw = label.rsplit("@", 1)
-            gap = m["perplexity"] - fp32 if fp32 else None
-            ratio = gap / (rtn["perplexity"] - fp32) if gap is not None and rtn else None
-            points.append({"model": Path(path).stem, "variant": name, "bits_per_weight": float(bpw),
-                           "perplexity": m["perplexity"], "gap_over_rtn": ratio})  # fmt: skip
-    return points
+    """Real-LLM points: the scores.json files of ``tools/widths_real_llm.py score`` (one row per variant)."""
+    return [row for path in files for row in json.loads(Path(path).read_text())]
 
 
 def speed(layers: int, dim: int, widths: list[int], threads: list[int]) -> list[dict]:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).parent
 SIDE_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "chat_template.jinja", "tokenizer.model")  # fmt: skip
@@ -47,8 +49,76 @@ def _child(args: argparse.Namespace) -> None:
             shutil.copy(folder / side, out / side)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     fp32_bytes = sum(p.stat().st_size for p in folder.glob("model.onnx*"))
+    bpw = model_bits_per_weight(out / model.name)
     print(json.dumps({"variant": out.name, "options": options, "windows": args.windows, "seconds": seconds,
-                      "peak_rss": peak, "fp32_bytes": fp32_bytes, "peak_over_fp32": peak / fp32_bytes}))  # fmt: skip
+                      "peak_rss": peak, "fp32_bytes": fp32_bytes, "peak_over_fp32": peak / fp32_bytes,
+                      "bits_per_weight": bpw}))  # fmt: skip
+
+
+def model_bits_per_weight(path: Path) -> float:
+    """Bits per weight over every MatMul/Gemm weight of an exported model: codes and scales, 32 for FP32 ones.
+
+    A tied head's weights are its table's (counted once, with the CimInt4Gather that shares them).
+    """
+    import onnx
+
+    from cim_int4.contract import GATHER, MATMUL_SHARED, Int4Node, is_op_node
+
+    model = onnx.load(path)
+    inits = {t.name: t for t in model.graph.initializer}
+    bits = weights = 0.0
+    shared_counted: set[str] = set()
+    for node in model.graph.node:
+        if is_op_node(node) and len(node.input) == 1:
+            n = Int4Node.from_node(node)
+            bits += 8 * (n.packed.nbytes + n.scales.nbytes)
+            weights += n.k * n.n
+        elif is_op_node(node, MATMUL_SHARED) or is_op_node(node, GATHER):
+            attrs = {a.name: a.i for a in node.attribute}
+            packed, scales = (node.input[0], node.input[2]) if is_op_node(node, GATHER) else node.input[1:3]
+            if packed in shared_counted:
+                continue
+            shared_counted.add(packed)
+            rows = inits[packed].dims[0]
+            bits += 8 * sum(onnx.numpy_helper.to_array(inits[t]).nbytes for t in (packed, scales))
+            weights += rows * attrs["K"]
+        elif node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
+            t = inits[node.input[1]]
+            size = int(np.prod(t.dims))
+            bits, weights = bits + 32 * size, weights + size
+    return bits / max(weights, 1)
+
+
+def score(args: argparse.Namespace) -> None:
+    """``cim-int4 perplexity`` of FP32, the builder's MatMulNBits int4 and each variant's twin, a few per call."""
+    out_dir = Path(args.out_dir)
+    times = {}
+    if (out_dir / "times.json").exists():
+        for line in (out_dir / "times.json").read_text().splitlines():
+            times[json.loads(line)["variant"]] = json.loads(line)
+    names = args.names
+    rows = []
+    for i in range(0, len(names), args.per_call):
+        group = names[i : i + args.per_call]
+        result = out_dir / f"ppl-{'-'.join(group)}.json"
+        cmd = [args.cli, "perplexity", args.folder, args.rtn, *[str(out_dir / f"{n}-twin") for n in group],
+               "--text", args.text, "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+               "--json", str(result), "-q", *args.extra]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        data = json.loads(result.read_text())
+        fp32, rtn, *mine = data["models"]
+        base, yardstick = fp32["perplexity"], rtn["perplexity"] - fp32["perplexity"]
+        for n, m in zip(group, mine, strict=True):
+            bpw = times.get(n, {}).get("bits_per_weight") or model_bits_per_weight(out_dir / n / "model.onnx")
+            rows.append({"model": Path(args.folder).parent.name, "variant": n, "bits_per_weight": bpw,
+                         "perplexity": m["perplexity"], "fp32": fp32["perplexity"], "rtn": rtn["perplexity"],
+                         "gap_over_rtn": (m["perplexity"] - base) / yardstick,
+                         "kl": m["kl"], "tokens": m["tokens"]})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    path = out_dir / "scores.json"  # merged with earlier calls' rows (a variant scored again replaces its row)
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    scored = {r["variant"] for r in rows}
+    path.write_text(json.dumps([r for r in earlier if r["variant"] not in scored] + rows, indent=1))
 
 
 def main() -> None:
@@ -60,6 +130,17 @@ def main() -> None:
     p.add_argument("--calib", required=True)
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "OPTIONS_JSON"), required=True)
+    p = sub.add_parser("score")
+    p.add_argument("folder", help="the FP32 genai folder (the reference)")
+    p.add_argument("out_dir")
+    p.add_argument("names", nargs="+", help="variants exported into OUT_DIR (their -twin folders are scored)")
+    p.add_argument("--rtn", required=True, help="the builder's MatMulNBits int4 folder (the gap's yardstick)")
+    p.add_argument("--text", required=True)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--per-call", type=int, default=3, help="twins per perplexity call (every session is held at once)")
+    p.add_argument("--cli", default=str(Path(sys.executable).parent / "cim-int4"))
+    p.add_argument("--extra", nargs="*", default=[], help="more perplexity flags (e.g. --bos 2)")
     p = sub.add_parser("_child")
     p.add_argument("folder")
     p.add_argument("out")
@@ -69,6 +150,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "_child":
         _child(args)
+        return
+    if args.cmd == "score":
+        score(args)
         return
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
