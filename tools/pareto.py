@@ -210,6 +210,7 @@ def _ms(ms: float | None) -> str:
 def markdown(rows: list[dict], noise: list[dict], llm: list[dict], speeds: list[dict]) -> str:
     """The tables of DIR/pareto.md."""
     lines = ["| model | variant | bits per weight | mean cosine | worst cosine | run as |", "|---|---|---|---|---|---|"]
+    lines = lines if rows else []
     lines += [f"| {r['case']} | {r['variant']} | {r['bits_per_weight']:.3f} | {r['mean_cosine']:.6f} | "
               f"{r['worst_cosine']:.6f} | {r['how']} |" for r in rows]  # fmt: skip
     if noise:
@@ -247,7 +248,8 @@ def plot(rows: list[dict], llm: list[dict], speeds: list[dict], path: Path) -> N
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker, label=f"{case}: {kind.strip()}")
     ax.set(xlabel="bits per weight (codes + scales)", ylabel="1 - mean output cosine", yscale="log")
-    ax.legend(fontsize=6)
+    if rows:
+        ax.legend(fontsize=6)
     i = 1
     if llm:
         ax = axes[0][i]
