@@ -6,7 +6,8 @@ weight overridable, run in plain ONNX Runtime) over the calibration batches:
 1. one run per batch with FP32 weights: the reference outputs and, per candidate whose input
    is a main-graph tensor, the per-input-channel power ``E[x_k^2]``;
 2. a *damage* per layer and width b in ``WIDTHS`` (FP32 has none): ``1 - cosine`` of the
-   outputs with only that layer at b bits, averaged over the calibration rows. Two measures:
+   outputs (of ``logits`` alone when the model has that output: an LLM's KV-cache outputs
+   would outnumber it) with only that layer at b bits, averaged over the calibration rows. Two measures:
 
    * ``exact``: one run per layer and width (``L * len(WIDTHS)`` runs);
    * ``proxy``: no run: the layer's relative output error on its inputs,
@@ -50,6 +51,8 @@ from .scale_rules import AUTO_CHOICES
 from .widths import FP32_BITS, bits_per_weight
 
 WIDTHS = SUPPORTED_BITS
+# The output an LLM is judged by; when a model has it, damages and cosines are taken on it alone.
+LOGITS = "logits"
 # ``auto`` measures exactly while that costs at most this many runs of the model over the batches.
 EXACT_MAX_RUNS = 400
 
@@ -248,8 +251,11 @@ def allocate(
     def quantized(i: int, bits: int, rule: str) -> QuantizedWeight:
         return quantize_weight(candidates[i].w, gs, rule, bits, dtype)
 
+    # An LLM's logits, not its KV-cache outputs: those outnumber it and miss the LM head's error entirely.
+    scored = [i for i, name in enumerate(probe.outputs) if name == LOGITS] or None
+
     def mean_damage(weights: Mapping[str, QuantizedWeight], layers: Sequence[int]) -> tuple[float, float]:
-        rows = probe.cosines(layers, weights)
+        rows = probe.cosines(layers, weights, scored=scored)
         return float(np.mean(1.0 - rows)) if rows.size else 0.0, float(rows.min()) if rows.size else 1.0
 
     rule = options.scale_rule
@@ -302,7 +308,7 @@ def allocate(
 
     def cosine_of(widths: Sequence[int | None]) -> tuple[float, float, dict[str, QuantizedWeight]]:
         weights = weights_of(widths)
-        rows = probe.cosines([i for i, b in enumerate(widths) if b is not None], weights)
+        rows = probe.cosines([i for i, b in enumerate(widths) if b is not None], weights, scored=scored)
         return float(rows.min()), float(rows.mean()), weights
 
     if options.bits_budget is not None:

@@ -216,9 +216,16 @@ class Probe:
         return self.session.run(self.outputs, {**batch, **(weights or {})})
 
     def cosines(
-        self, layers: Sequence[int], weights: Mapping[str, QuantizedWeight], parts: Sequence[Part] | None = None
+        self,
+        layers: Sequence[int],
+        weights: Mapping[str, QuantizedWeight],
+        parts: Sequence[Part] | None = None,
+        scored: Sequence[int] | None = None,
     ) -> np.ndarray:
-        """Each output row's cosine vs FP32 over the batches, ``layers`` in INT4 (``weights``), the rest FP32."""
+        """Each output row's cosine vs FP32 over the batches, ``layers`` in INT4 (``weights``), the rest FP32.
+
+        ``scored``: the indices of the outputs compared (default: every output).
+        """
         int4 = {}
         for i in layers:
             c = self.candidates[i]
@@ -230,6 +237,8 @@ class Probe:
             if rows is not None:  # the rows of the first axis asked for, in every output that has them
                 n = batch_rows(self.batches[b])
                 reference, outputs = [rows_of(r, rows, n) for r in reference], [rows_of(o, rows, n) for o in outputs]
+            if scored is not None:
+                reference, outputs = [reference[i] for i in scored], [outputs[i] for i in scored]
             found.append(row_cosines(reference, outputs))
         return np.concatenate(found) if found else np.ones(0)
 

@@ -141,3 +141,32 @@ def test_auto_without_feeds_is_a_one_line_error(llama) -> None:
     model, _ = llama
     with pytest.raises(ValueError, match="bits='auto' needs calibration inputs"):
         export_with_summary(model, bits="auto")
+
+
+def test_an_llm_is_scored_on_its_logits_alone() -> None:
+    """A decoder's KV-cache outputs outnumber its logits and never see the LM head: damages use the logits."""
+    import json
+
+    from cim_int4.exporter import ExportOptions
+    from cim_int4.exporter.probe import Probe
+
+    folder = Path(__file__).parent / "genai" / "llama-fp32"
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    model = onnx.load(folder / config["filename"])
+    names = [i.name for i in model.graph.input]
+    ids = np.arange(1, 9, dtype=np.int64)[None, :]
+    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+    feeds = {n: ids if n == "input_ids" else np.ones_like(ids) if n == "attention_mask" else
+             np.arange(8, dtype=np.int64)[None, :] if n == "position_ids" else kv for n in names}  # fmt: skip
+    probe = Probe(model, ExportOptions(), [feeds])
+    assert "logits" in probe.outputs and len(probe.outputs) > 1
+    head = next(i for i, c in enumerate(probe.candidates) if c.w.shape[1] == probe.reference(0)[0].shape[-1])
+    from cim_int4.exporter.quantize import quantize_weight
+
+    weights = {probe.candidates[head].key: quantize_weight(probe.candidates[head].w, 32, "signed", 2)}
+    every = probe.cosines([head], weights)
+    logits = probe.cosines([head], weights, scored=[probe.outputs.index("logits")])
+    assert len(logits) == 1 and len(every) == len(probe.outputs)
+    assert logits[0] < 1.0 and np.mean(1 - every) < 1 - logits[0]  # the head's error, diluted by the KV outputs
+    _, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=5.0, scale_rule="signed")
+    assert summary.allocation.bits_per_weight <= 5.0
