@@ -243,10 +243,13 @@ def plot(rows: list[dict], llm: list[dict], speeds: list[dict], path: Path) -> N
     ax = axes[0][0]
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case]
-        for kind, marker in (("-bit 16", "o-"), ("auto", "s"), ("MatMulNBits", "x")):
+        color = None
+        for kind, marker, label in (("-bit 16", "o-", "uniform, fp16 scales"), ("auto", "s--", "auto"),
+                                    ("MatMulNBits", "x", "MatMulNBits")):  # fmt: skip
             pts = sorted((r["bits_per_weight"], 1 - r["mean_cosine"]) for r in mine if kind in r["variant"])
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker, label=f"{case}: {kind.strip()}")
+                (line,) = ax.plot(*zip(*pts, strict=True), marker, color=color, label=f"{case}: {label}")
+                color = line.get_color()  # one color per model
     ax.set(xlabel="bits per weight (codes + scales)", ylabel="1 - mean output cosine", yscale="log")
     if rows:
         ax.legend(fontsize=6)
