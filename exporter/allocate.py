@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..contract import DEFAULT_BITS, SUPPORTED_BITS
 from ..ops.reference import dequantize
+from .fold import NotFoldable, Scope
 from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
 from .probe import Probe
 from .quantize import QuantizedWeight, quantize_weight
@@ -218,18 +218,26 @@ def _weights(costs: Sequence[Mapping[int | None, float]]) -> float:
 
 
 def table_of_tied(model: onnx.ModelProto, probe: Probe) -> dict[str, str]:
-    """Candidate key -> the Gather data input (an initializer table) whose transpose is the candidate's weight."""
-    inits = {t.name: t for t in model.graph.initializer}
-    tables = {}
+    """Candidate key -> the data input of a main-graph Gather on a constant table whose transpose is its weight.
+
+    The table is resolved as the rewrite resolves it (through Transpose, Identity, ...), so
+    a head stored once and read by the Gather through a Transpose is found.
+    """
+    scope = Scope(model.graph)
+    tables: dict[str, np.ndarray] = {}
     for node in model.graph.node:
-        if node.op_type == "Gather" and node.input and node.input[0] in inits and node.input[0] not in tables:
-            t = inits[node.input[0]]
-            if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT:
-                tables[node.input[0]] = tuple(t.dims)
+        if node.op_type != "Gather" or not node.input or node.input[0] in tables:
+            continue
+        try:
+            folded = scope.resolve(node.input[0], "table")
+        except NotFoldable:
+            continue
+        if folded.value.ndim == 2 and folded.elem_type == onnx.TensorProto.FLOAT:
+            tables[node.input[0]] = folded.value
     found = {}
     for c in probe.candidates:
-        for name, dims in tables.items():
-            if dims == c.w.shape[::-1] and np.array_equal(numpy_helper.to_array(inits[name]).T, c.w):
+        for name, table in tables.items():
+            if table.shape == c.w.shape[::-1] and np.array_equal(table.T, c.w):
                 found[c.key] = name
     return found
 

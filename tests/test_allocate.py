@@ -170,3 +170,24 @@ def test_an_llm_is_scored_on_its_logits_alone() -> None:
     assert logits[0] < 1.0 and np.mean(1 - every) < 1 - logits[0]  # the head's error, diluted by the KV outputs
     _, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=5.0, scale_rule="signed")
     assert summary.allocation.bits_per_weight <= 5.0
+
+
+def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:
+    """The genai builder stores a tied head once, [K, N], and the Gather reads it through a Transpose."""
+    import json
+
+    folder = Path(__file__).parent / "genai" / "llama-tied-fp32"
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    model = onnx.load(folder / config["filename"])
+    ids = np.arange(1, 9, dtype=np.int64)[None, :]
+    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+    feeds = {i.name: ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask" else
+             np.arange(8, dtype=np.int64)[None, :] if i.name == "position_ids" else kv
+             for i in model.graph.input}  # fmt: skip
+    out, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=7.0, scale_rule="signed")
+    gathers = [n for n in out.graph.node if is_op_node(n, GATHER)]
+    heads = [n for n in out.graph.node if is_op_node(n, MATMUL_SHARED) and len(n.input) == 3]
+    assert gathers and heads, summary.format()
+    head = max((x for x in summary.allocation.layers if x.bits is not None), key=lambda x: x.weights)
+    assert {a.name: a.i for a in gathers[0].attribute}.get("bits", 4) == head.bits
+    assert all({a.name: a.i for a in h.attribute}.get("bits", 4) == head.bits for h in heads)
