@@ -9,10 +9,10 @@ Both compute modes of ours at M = 1 and M = 128, 1 and 2 threads. GB/s is bytes 
 repacked stream (codes and scales) per second. Sessions use the kernels' default decode
 variant (no tuning, no profile), so float16 and float32 scales run the same loop.
 
-    python tools/measure_widths.py [--layers 16 --dim 4096 --rounds 9] [--json out.json]
+    python tools/measure_widths.py [--layers 16 --dim 4096 --rounds 15] [--json out.json]
 
 Prints a markdown table; on a shared machine the ratios measured in one round-robin run
-are what to read, not the absolute times.
+are what to read (medians of per-round ratios), not the absolute times.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def paired_ratio(baseline: list[float], times: list[float]) -> float:
+    """Median over rounds of baseline time / this time (how many times faster than the baseline)."""
+    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
+
+
 def _probe_sample(probe: BandwidthProbe, threads: int, into: list[float]) -> None:
     into.append(probe.read(probe.probe_bytes, threads)[0] / 1e9)
 
@@ -125,22 +130,23 @@ def measure_width(bits: int, args: argparse.Namespace, probe: BandwidthProbe) ->
                     call()
                 probe_gbs: list[float] = []
                 sample = partial(_probe_sample, probe, threads, probe_gbs)
-                samples = interleaved(
-                    calls, min_rounds=args.rounds, max_rounds=args.rounds, max_time=0.0, between_rounds=sample
-                )
+                rounds = args.rounds if m == 1 else args.prefill_rounds
+                samples = interleaved(calls, min_rounds=rounds, max_rounds=rounds, max_time=0.0, between_rounds=sample)
                 probe_median = statistics.median(probe_gbs)
-                f32_time = statistics.median(samples["f32"])
                 for name, times in samples.items():
                     t = statistics.median(times)
                     gbs = models[name][1] / t / 1e9
+                    # Speed-ups as the median of per-round ratios: each round's calls ran back to
+                    # back, so the load of the moment cancels out of their ratio.
+                    vs_f32 = paired_ratio(samples["f32"], times)
+                    vs_acc4 = paired_ratio(samples["nbits4_acc4"], times) if "nbits4_acc4" in samples else None
                     rows.append({
                         "bits": bits, "compute": compute, "threads": threads, "m": m, "variant": name,
                         "ms": t * 1e3, "gb_s": gbs, "of_probe": gbs / probe_median, "probe_gb_s": probe_median,
-                        "vs_f32": f32_time / t, "vs_acc4": (statistics.median(samples["nbits4_acc4"]) / t
-                                                            if "nbits4_acc4" in samples else None),
+                        "vs_f32": vs_f32, "vs_acc4": vs_acc4, "rounds": len(times),
                     })
                     print(f"  b={bits} {compute} t={threads} M={m} {name}: {t * 1e3:.2f} ms {gbs:.1f} GB/s "
-                          f"({gbs / probe_median:.2f} of probe) {f32_time / t:.3f}x f32", file=sys.stderr)
+                          f"({gbs / probe_median:.2f} of probe) {vs_f32:.3f}x f32", file=sys.stderr)
             del sessions
     return rows
 
@@ -159,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds at M = 1")
+    parser.add_argument("--prefill-rounds", type=int, default=5, help="interleaved rounds at M > 1")
     parser.add_argument("--bits", type=int, nargs="+", default=list(SUPPORTED_BITS))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 128])
@@ -172,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bits in args.bits:
         rows += measure_width(bits, args, probe)
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; chain {args.layers} x {args.dim}^2, group {GROUP}, "
-          f"{args.rounds} interleaved rounds, medians")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}; "
+          f"chain {args.layers} x {args.dim}^2, group {GROUP}, {args.rounds} interleaved rounds at M = 1 "
+          f"({args.prefill_rounds} at M > 1), medians")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
