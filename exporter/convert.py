@@ -50,11 +50,12 @@ from ..contract import (
 )
 from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
-from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
+from .io import ModelFileError, external_info, read_model, tensor_nbytes
 from .options import ExportOptions
 from .rewrite import drop_stray_imports
 from .subgraph import all_graphs, drop_unused, used_names
 from .summary import Skipped
+from .writer import OutputFiles, TensorStore, without
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"

@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="compare every tensor both models compute")
     p.add_argument(
         "--compute",
-        choices=("fp32", "int8"),
+        choices=COMPUTE_MODES,
         default=None,
         help="run every CimInt4MatMul in this compute mode (session config cim_int4.compute; default: each node's own)",
     )
