@@ -38,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-RULES = ("signed", "mse", "balanced", "amax8")  # "auto" without feeds is "balanced" (or the default's rule)
+# "auto" without feeds is "balanced" at group 32; balanced@W: the balanced rule with weight W on the running sum.
+RULES = ("signed", "mse", "balanced", "balanced@0.03", "balanced@0.003", "amax8", "autofeeds")
 GROUPS = (32, 128)
 COMPUTES = ("fp32", "int8")
 GROUP = 3  # models per perplexity call besides the reference
@@ -48,7 +49,7 @@ BOS = {"gemma3": 2}
 # "auto" with feeds: windows of the calibration text. The probe keeps the FP32 logits of every
 # window (tokens x vocabulary floats): Gemma's 262k vocabulary gets shorter windows.
 AUTO_FEEDS = "autofeeds"
-FEED_WINDOWS = 8
+FEED_WINDOWS = 4
 FEED_WINDOW = {"smollm2": 512, "gemma3": 256}
 BOOTSTRAP_DRAWS = 4000
 
@@ -76,8 +77,10 @@ def make_exports(
 
     The rule AUTO_FEEDS is ``scale_rule="auto"`` with feeds: the first ``feed_windows`` windows of
     ROOT/text/calib.txt (never the evaluation text), every layer INT4 (``target_cosine=0``).
+    ``balanced@W`` is ``balanced`` with ``scale_rules.BALANCE`` set to W for that export (how the
+    weight was chosen; not an export option).
     """
-    from cim_int4.exporter import export_int4, export_with_summary, load_model, save_model
+    from cim_int4.exporter import export_int4, export_with_summary, load_model, save_model, scale_rules
 
     from cim_int4.genai import copy_folder, model_files
     from cim_int4.genai_bench import decoder_file
@@ -110,9 +113,19 @@ def make_exports(
                          "cosine": choice.cosine}  # fmt: skip
                 del quantized, feeds
             else:
-                export_int4(
-                    decoder, tmp / decoder.name, group_size=group, scale_rule=rule, external_data=True, quiet=True
-                )
+                base, _, weight = rule.partition("@")
+                default_weight = scale_rules.BALANCE
+                if weight:
+                    if base != "balanced":
+                        raise SystemExit(f"{rule}: only balanced takes @WEIGHT")
+                    scale_rules.BALANCE = float(weight)
+                    info["balance"] = float(weight)
+                try:
+                    export_int4(
+                        decoder, tmp / decoder.name, group_size=group, scale_rule=base, external_data=True, quiet=True
+                    )
+                finally:
+                    scale_rules.BALANCE = default_weight
             info["seconds"] = time.perf_counter() - t0
             shutil.copyfile(src / "genai_config.json", tmp / "genai_config.json")
             (tmp / "export.json").write_text(json.dumps(info) + "\n")
