@@ -305,6 +305,28 @@ def decode(root: Path, name: str, out_root: Path, threads: list[int], rounds: in
         write.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def decode_table(out_root: Path, name: str) -> str:
+    """Markdown: genai decode tokens/s per variant and thread count, median over rounds, and the median of the
+    per-round ratios to MatMulNBits acc4 (each round runs every variant interleaved)."""
+    import statistics
+
+    runs = [json.loads(p.read_text()) for p in sorted((out_root / name / "decode").glob("round*.json"))]
+    if not runs:
+        return ""
+    base = "MatMulNBits acc4"
+    lines = [
+        f"{name}: decode tokens/s, {len(runs)} rounds (load averages {[round(r['load'][0], 1) for r in runs]})",
+        "",
+    ]
+    lines += ["| variant | threads | tokens/s (median) | x MatMulNBits acc4 (median of rounds) |", "|---|---|---|---|"]
+    for t in runs[0]["tokens_per_s"]:
+        for label in runs[0]["tokens_per_s"][t]:
+            values = [r["tokens_per_s"][t][label] for r in runs if label in r["tokens_per_s"].get(t, {})]
+            ratios = [r["tokens_per_s"][t][label] / r["tokens_per_s"][t][base] for r in runs]
+            lines.append(f"| {label} | {t} | {statistics.median(values):.1f} | {statistics.median(ratios):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="step", required=True)
@@ -339,6 +361,8 @@ def main() -> None:
         measure(args.root, args.name, args.max_tokens, args.threads, args.window, args.only, args.group, out)
     else:
         print("\n\n".join(table(out, n) for n in args.name if (out / n / "ppl").is_dir()))
+        for n in args.name:
+            print("\n" + decode_table(out, n))
 
 
 if __name__ == "__main__":
