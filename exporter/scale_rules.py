@@ -50,8 +50,8 @@ AUTO_CHOICES = ("balanced", "signed", "mse")
 # squared error): about the smallest that still cancels the sum. On 4096x4096 with 1% 10x
 # outlier columns and inputs >= 0, 0.01 and 0.03 both cut 1 - cosine to 0.35x signed's (0.003:
 # 0.38x); on real LLM weights a larger weight costs squared error (over mse's: +0.7% at 0.003,
-# +2.9% at 0.01, +7.5% at 0.03), and in perplexity 0.03 lost to round-to-nearest where 0.01
-# beat mse (docs/real-llm.md).
+# +2.9% at 0.01, +7.5% at 0.03), and in perplexity 0.03 was no better than round-to-nearest
+# (1.05x / 0.99x its gap on two LLMs) while 0.01 beat mse on both (docs/real-llm.md).
 BALANCE = 0.01
 
 # Where m lands, in steps. Measured on Gaussian, Laplace and uniform groups of 16..128: a grid
