@@ -6,7 +6,8 @@ with three limits that shape this module:
 * A Python op cannot read a *tensor* attribute (declaring one aborts the process), so the
   session runs a rewritten copy of the model: each ``CimInt4MatMul`` becomes a
   ``CimInt4MatMulReference`` node whose ``packed``, ``scales`` and ``bias`` are constant
-  initializer inputs, and whose ``K``, ``N``, ``group_size``, ``compute`` and ``node`` (the
+  initializer inputs (float16 scales widened to float32, which is what the op computes
+  with), and whose ``K``, ``N``, ``group_size``, ``bits``, ``compute`` and ``node`` (the
   original node's name) are int/string attributes. Every other node, and every tensor name,
   stays as it was.
 * An exception raised by a Python op aborts the process. So every attribute is checked when
@@ -34,7 +35,18 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from ..contract import COMPUTE_CONFIG, GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, Int4Node, check_compute, is_op_node
+from ..contract import (
+    COMPUTE_CONFIG,
+    DEFAULT_BITS,
+    GATHER_OP_TYPE,
+    OP_DOMAIN,
+    OP_TYPE,
+    SUPPORTED_BITS,
+    Int4Node,
+    check_compute,
+    is_op_node,
+    row_bytes,
+)
 from . import reference
 from .ort_model import proto_session
 
@@ -61,9 +73,10 @@ def run_node(
     group_size: int,
     compute: str,
     node: str,
+    bits: int = DEFAULT_BITS,
 ) -> np.ndarray:
     """What one reference node computes: ``reference.emulate`` (an empty ``bias`` means none)."""
-    return reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute)
+    return reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute, bits)
 
 
 def _op_body(
@@ -89,6 +102,7 @@ def _register_op() -> None:
         "K": PyCustomOpDef.dt_int64,
         "N": PyCustomOpDef.dt_int64,
         "group_size": PyCustomOpDef.dt_int64,
+        "bits": PyCustomOpDef.dt_int64,
         "compute": PyCustomOpDef.dt_string,
         "node": PyCustomOpDef.dt_string,
     }
@@ -166,17 +180,28 @@ def with_table_attributes(node: onnx.NodeProto, initializers: dict[str, onnx.Ten
 
 def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> np.ndarray:
     """The float32 table [rows, K] a CimInt4Gather node reads, dequantized by the reference."""
-    k, group_size = _int(node, "K"), _int(node, "group_size", 32)
+    k, group_size, bits = _int(node, "K"), _int(node, "group_size", 32), _int(node, "bits", DEFAULT_BITS)
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(
+            f"{GATHER_OP_TYPE} node '{node.name}': attribute 'bits' is {bits}, expected one of {SUPPORTED_BITS}"
+        )
     packed = _initializer(initializers, node, 0, "packed")
     scales = _initializer(initializers, node, 2, "scales")
     groups = -(-k // group_size)
     rows = packed.shape[0] if packed.ndim else 0
-    if packed.dtype != np.uint8 or packed.size != rows * groups * group_size // 2 or scales.size != rows * groups:
+    width = row_bytes(groups * group_size, bits)
+    if (
+        packed.dtype != np.uint8
+        or packed.size != rows * width
+        or scales.size != rows * groups
+        or scales.dtype not in (np.float32, np.float16)
+    ):
         raise ValueError(
-            f"{GATHER_OP_TYPE} node '{node.name}': packed {list(packed.shape)} / scales {list(scales.shape)} do "
-            f"not hold [rows, {groups * group_size // 2}] codes and [rows, {groups}] scales for K={k}"
+            f"{GATHER_OP_TYPE} node '{node.name}': packed {list(packed.shape)} / scales {list(scales.shape)} "
+            f"{scales.dtype} do not hold [rows, {width}] codes and float32 or float16 [rows, {groups}] scales for "
+            f"K={k}, bits={bits}"
         )
-    return reference.gather(packed.reshape(rows, -1), scales, np.arange(rows), k, group_size)
+    return reference.gather(packed.reshape(rows, -1), scales, np.arange(rows), k, group_size, bits)
 
 
 def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.ModelProto:
@@ -220,7 +245,8 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
         inputs = [node.input[0], fresh(f"{prefix}.shape_check")]
         nodes.append(helper.make_node("MatMul", [node.input[0], shape_checks[w.k]], [inputs[1]], name=inputs[1]))
         bias = w.bias if w.bias is not None else np.zeros(0, np.float32)
-        for name, value in (("packed", w.packed), ("scales", w.scales), ("bias", bias)):
+        scales = w.scales.astype(np.float32)  # exact: the op computes with float32(scale)
+        for name, value in (("packed", w.packed), ("scales", scales), ("bias", bias)):
             inputs.append(fresh(f"{prefix}.{name}"))
             graph.initializer.append(numpy_helper.from_array(value, inputs[-1]))
         nodes.append(
@@ -233,6 +259,7 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
                 K=w.k,
                 N=w.n,
                 group_size=w.group_size,
+                bits=w.bits,
                 compute=compute or w.compute,
                 node=node.name,
             )

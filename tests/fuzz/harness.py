@@ -29,6 +29,7 @@ import numpy as np
 INT64_MAX = 2**63 - 1
 FLT_MAX = float(np.finfo(np.float32).max)
 GROUP_SIZES = (16, 32, 64, 128, 256)  # the contract's (test_fuzz checks); no package import here
+BITS = (2, 3, 4, 5, 6, 8)  # the same for the code widths
 U32 = 2.0**-24
 
 
@@ -53,21 +54,43 @@ def _pick(rng: np.random.Generator, options: list):
     return options[int(rng.integers(len(options)))]
 
 
-def _weight(rng: np.random.Generator) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+def _weight(rng: np.random.Generator) -> tuple[int, int, int, int, np.ndarray, np.ndarray]:
+    """K, N, group size, code width, packed codes and scales (float32, or float16 for some cases)."""
     from cim_int4.exporter import quantize_weight
+
+    from cim_int4.contract import pack, q_range
 
     k = int(rng.choice([1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 100, 255, 256, 257, int(rng.integers(1, 600))]))
     n = int(rng.choice([1, 2, 3, 7, 8, 15, 16, 17, 33, int(rng.integers(1, 80))]))
     g = int(rng.choice(GROUP_SIZES))
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    qw = quantize_weight(w, g)
-    return k, n, g, qw.packed, qw.scales
+    bits = int(rng.choice(BITS + (4, 4)))
+    if bits == 4:
+        qw = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), g)
+        packed, scales = qw.packed, qw.scales
+    else:  # any codes of the width, padding q = 0
+        lo, hi = q_range(bits)
+        q = np.zeros((n, -(-k // g) * g), np.int16)
+        q[:, :k] = rng.integers(lo, hi + 1, (n, k))
+        packed = pack(q, bits)
+        scales = (rng.standard_normal((n, q.shape[1] // g)) * 0.05).astype(np.float32)
+    if rng.random() < 0.3:
+        scales = scales.astype(np.float16)
+    return k, n, g, bits, packed, scales
 
 
 def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int) -> str:
     """Mutate one attribute in place; returns its description."""
+    from cim_int4.contract import pack_codes, unpack_codes
+
     packed, scales = attrs["packed"], attrs["scales"]
-    choice = int(rng.integers(0, 24))
+    bits = int(attrs.get("bits") or 4)
+    choice = int(rng.integers(0, 26))
+    if choice == 24:
+        attrs["bits"] = _pick(rng, [0, 1, 7, 9, 16, -4, 2**40, *[b for b in BITS if b != bits]])
+        return f"bits={attrs['bits']} (data for {bits})"
+    if choice == 25:
+        attrs["bits"] = _pick(rng, [4.0, "4", [4], np.array([bits], np.int64)])
+        return f"bits of type {type(attrs['bits']).__name__}"
     huge = [INT64_MAX, INT64_MAX - 1, INT64_MAX - g + 1, 2**62, 2**32, 2**31, 2**31 - 1]
     if choice == 0:
         attrs["K"] = int(rng.choice(huge))
@@ -106,7 +129,7 @@ def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int
         attrs["scales"] = s
         return "negative, tiny, denormal or zero scales"
     if choice == 9:
-        dtype = _pick(rng, [np.float64, np.float16, np.int32, np.uint8])
+        dtype = _pick(rng, [np.float64, np.float16, np.float32, np.int32, np.uint8, np.uint16])
         attrs["scales"] = scales.astype(dtype)
         return f"scales {np.dtype(dtype).name}"
     if choice == 10:
@@ -122,14 +145,10 @@ def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int
         attrs["packed"] = _pick(rng, options)
         return f"packed shape {list(attrs['packed'].shape)}"
     if choice == 13:
-        p = packed.copy()
-        kp = p.shape[1] * 2
-        if kp > k:
-            pos = int(rng.integers(k, kp))
-            row = int(rng.integers(n))
-            shift = 0 if pos % 2 == 0 else 4
-            p[row, pos // 2] = (p[row, pos // 2] & ~np.uint8(0xF << shift)) | np.uint8(int(rng.integers(16)) << shift)
-        attrs["packed"] = p
+        codes = unpack_codes(packed, bits)
+        if codes.shape[1] > k:
+            codes[int(rng.integers(n)), int(rng.integers(k, codes.shape[1]))] = int(rng.integers(1 << bits))
+        attrs["packed"] = pack_codes(codes, bits)
         return "padding code changed"
     if choice == 14:
         attrs["packed"] = rng.integers(0, 256, packed.shape, dtype=np.uint8)
@@ -210,8 +229,10 @@ def _input(rng: np.random.Generator, k: int, case_valid: bool) -> tuple[np.ndarr
 def make_case(seed: int, kernels: tuple[str, ...] = ("auto",)) -> Case:
     """The fuzz case of ``seed``: about a third valid, the others with one mutated attribute or a bad input."""
     rng = np.random.default_rng([20261130, seed])
-    k, n, g, packed, scales = _weight(rng)
+    k, n, g, bits, packed, scales = _weight(rng)
     attrs: dict = {"K": k, "N": n, "group_size": g, "packed": packed, "scales": scales}
+    if bits != 4 or rng.random() < 0.2:
+        attrs["bits"] = bits
     if rng.random() < 0.3:
         attrs["bias"] = rng.standard_normal(n).astype(np.float32)
     kernel = str(rng.choice(kernels))
@@ -219,7 +240,9 @@ def make_case(seed: int, kernels: tuple[str, ...] = ("auto",)) -> Case:
     mutate = rng.random() < 0.6
     what = _attr_mutation(rng, attrs, k, n, g) if mutate else "valid attributes"
     a, declared, input_what, input_valid = _input(rng, k, not mutate)
-    description = f"K={k} N={n} g={g} {what}; {input_what}; kernel={kernel} threads={threads}"
+    description = (
+        f"K={k} N={n} g={g} bits={bits} scales={scales.dtype} {what}; {input_what}; kernel={kernel} threads={threads}"
+    )
     return Case(seed, description, attrs, a, declared, kernel, threads, not mutate and input_valid)
 
 
@@ -263,18 +286,21 @@ def _check_output(case: Case, y: np.ndarray) -> str | None:
         packed, scales = np.asarray(attrs["packed"]), np.asarray(attrs["scales"])
         k, n = int(attrs["K"]), int(attrs["N"])
         g = 32 if attrs.get("group_size") is None else int(attrs["group_size"])
+        bits = attrs.get("bits", 4)
         bias = attrs.get("bias")
         compute = attrs.get("compute")
-        if packed.dtype != np.uint8 or scales.dtype != np.float32 or packed.shape[0] != n:
+        if not isinstance(bits, int) or bits not in BITS:
+            raise ValueError(f"bits={bits!r}")
+        if packed.dtype != np.uint8 or scales.dtype not in (np.float32, np.float16) or packed.shape[0] != n:
             raise ValueError(f"packed {packed.dtype} {packed.shape}, scales {scales.dtype}")
         if compute not in (None, *reference.COMPUTE_MODES):
             raise ValueError(f"compute={compute!r}")
         with np.errstate(all="ignore"):
-            exact = reference.matmul(case.a, packed, scales, k, g, bias)
-            abs_sum = np.abs(case.a.astype(np.float64)) @ np.abs(reference.dequantize(packed, scales, k, g))
+            exact = reference.matmul(case.a, packed, scales, k, g, bias, bits)
+            abs_sum = np.abs(case.a.astype(np.float64)) @ np.abs(reference.dequantize(packed, scales, k, g, bits))
             if compute == "int8" and case.a.size:  # (reference.emulate cannot reshape an empty A)
                 # int8 mode quantizes A: held to the exact emulation of its arithmetic, within a few ulps.
-                emulated = reference.emulate(case.a, packed, scales, k, g, bias, compute="int8").astype(np.float64)
+                emulated = reference.emulate(case.a, packed, scales, k, g, bias, "int8", bits).astype(np.float64)
     except Exception as e:  # noqa: BLE001 - anything the reference refuses
         return f"the op accepted attributes the reference refuses ({type(e).__name__}: {e})"
     if y.shape != exact.shape or y.dtype != np.float32:

@@ -61,9 +61,10 @@ def test_a_crash_is_reported_with_its_seed(kernels: tuple[str, ...], monkeypatch
     assert all(r.outcome == "ok" for r in got if r.seed != 3), got
 
 
-def test_the_harness_group_sizes_are_the_contracts() -> None:
-    from harness import GROUP_SIZES
+def test_the_harness_group_sizes_and_widths_are_the_contracts() -> None:
+    from harness import BITS, GROUP_SIZES
 
-    from cim_int4.contract import SUPPORTED_GROUP_SIZES
+    from cim_int4.contract import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
     assert GROUP_SIZES == SUPPORTED_GROUP_SIZES
+    assert BITS == SUPPORTED_BITS

@@ -28,10 +28,12 @@ Candidates probe_cpu() {
   // "yes" here means the instructions will not fault. __builtin_cpu_init makes this
   // safe even if we run before libgcc's own constructor.
   __builtin_cpu_init();
+  // F16C (vcvtph2ps on ymm, float16 scales) comes with every AVX2 CPU in practice; ask anyway.
+  const bool f16c = __builtin_cpu_supports("f16c");
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("fma");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+                      __builtin_cpu_supports("fma") && f16c;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   if (avx512 && __builtin_cpu_supports("avx512vnni")) c.add(avx512_vnni_kernels());
   if (avx512) c.add(avx512_kernels());
   if (avx2 && __builtin_cpu_supports("avxvnni")) c.add(avx2_vnni_kernels());

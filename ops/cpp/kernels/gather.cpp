@@ -1,28 +1,48 @@
-// Portable C++ is enough here: one row is K / 2 bytes of codes and K / group_size scales,
-// so a token costs a few hundred bytes of reads; the per-group table of the 16 products
-// turns each code byte into two table loads, which compilers vectorize well enough.
+// Portable C++ is enough here: one row is K * bits / 8 bytes of codes and K / group_size
+// scales, so a token costs a few hundred bytes of reads. 4-bit codes take a per-group
+// table of the 16 products (two table loads per code byte, which compilers vectorize
+// well enough); other widths read each code from the bit stream and multiply.
 #include "kernels/gather.h"
 
+#include "kernels/kernel.h"
+#include "kernels/repack.h"
+
 namespace cim {
+namespace {
+
+float scale_of(const Int4Table& t, int64_t i) {
+  return t.scales_f16 ? half_to_float(static_cast<const uint16_t*>(t.scales)[i]) : static_cast<const float*>(t.scales)[i];
+}
+
+void gather_group_4bit(const uint8_t* codes, float scale, int64_t k0, int64_t k1, float* y) {
+  float level[16];
+  for (int c = 0; c < 16; ++c) level[c] = scale * static_cast<float>(c - 8);
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    const uint8_t byte = codes[k / 2];
+    y[k] = level[byte & 0x0F];
+    y[k + 1] = level[byte >> 4];
+  }
+  if (k < k1) y[k] = level[codes[k / 2] & 0x0F];  // odd K: the last low nibble
+}
+
+}  // namespace
 
 void gather_rows(const Int4Table& t, const int64_t* rows, int64_t begin, int64_t end, float* Y) {
-  const int64_t row_bytes = t.groups * t.group_size / 2;
+  const int64_t row_bytes = t.groups * t.group_size * t.bits / 8;
+  const int offset = 1 << (t.bits - 1);
   for (int64_t i = begin; i < end; ++i) {
     const uint8_t* codes = t.packed + rows[i] * row_bytes;
-    const float* scales = t.scales + rows[i] * t.groups;
     float* y = Y + i * t.K;
     for (int64_t g = 0; g < t.groups; ++g) {
-      float level[16];
-      for (int c = 0; c < 16; ++c) level[c] = scales[g] * static_cast<float>(c - 8);
+      const float scale = scale_of(t, rows[i] * t.groups + g);
       const int64_t k0 = g * t.group_size;
       const int64_t k1 = k0 + t.group_size < t.K ? k0 + t.group_size : t.K;
-      int64_t k = k0;
-      for (; k + 1 < k1; k += 2) {
-        const uint8_t byte = codes[k / 2];
-        y[k] = level[byte & 0x0F];
-        y[k + 1] = level[byte >> 4];
+      if (t.bits == 4) {
+        gather_group_4bit(codes, scale, k0, k1, y);
+        continue;
       }
-      if (k < k1) y[k] = level[codes[k / 2] & 0x0F];  // odd K: the last low nibble
+      for (int64_t k = k0; k < k1; ++k) y[k] = scale * static_cast<float>(attribute_code(codes, k, t.bits) - offset);
     }
   }
 }

@@ -1,10 +1,10 @@
-// Row gather from an int4 table in the exporter's codes/scales format: plain structs, no ORT.
+// Row gather from a table in the exporter's codes/scales format: plain structs, no ORT.
 //
 // The table is the same codes/scales pair a CimInt4MatMul reads (repack.h documents it):
-// `packed` uint8 [rows, K_padded / 2], element k of row r in byte k / 2, even k in the low
-// nibble, code = q + 8; `scales` float32 [rows, groups]. Row r dequantizes to
-//   y[k] = scales[r, k / group_size] * float(code(r, k) - 8)    (one float32 product, k < K)
-// which is exact to the last bit against the NumPy reference.
+// `packed` uint8 [rows, K_padded * bits / 8], each row one little-endian bit stream of
+// codes q + 2^(bits-1); `scales` float32 or float16 [rows, groups]. Row r dequantizes to
+//   y[k] = float32(scales[r, k / group_size]) * float(code(r, k) - 2^(bits-1))   (k < K)
+// one float32 product, so it is exact to the last bit against the NumPy reference.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +12,10 @@
 namespace cim {
 
 struct Int4Table {
-  const uint8_t* packed = nullptr;  // [rows, groups * group_size / 2]
-  const float* scales = nullptr;    // [rows, groups]
+  const uint8_t* packed = nullptr;  // [rows, groups * group_size * bits / 8]
+  const void* scales = nullptr;     // [rows, groups], float32 or (scales_f16) float16 bits
+  bool scales_f16 = false;
+  int bits = 4;
   int64_t rows = 0;
   int64_t K = 0;  // row width after dequantization
   int64_t group_size = 0;

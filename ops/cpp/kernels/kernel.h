@@ -12,30 +12,64 @@ namespace cim {
 
 // Output channels per tile: one zmm of float32 (two ymm).
 constexpr int64_t kTileN = 16;
-// Bytes per "code row" of a tile: 16 channels x 4 bytes (8 codes per channel).
+// Bytes per "code row" of a tile: 16 channels x 4 bytes.
 constexpr int64_t kCodeRowBytes = 64;
+// Output channels come in tiles of 16, tiles in strips of kStripTiles (64 channels).
+constexpr int64_t kStripTiles = 4;
 
-// Weights in the library's own layout, made once at kernel creation by repack().
+// Weights in the library's own layout, made once at kernel creation by repack() (the
+// why and a picture per width: docs/widths.md).
 //
 // Output channels come in tiles of kTileN = 16 (the last tile padded with channels of
-// scale 0 and code 8), tiles in strips of kStripTiles = 4 (64 channels; the last strip
-// may hold fewer). The whole matrix is one sequential stream, strip after strip; within
-// a strip group after group, and within a group the strip's tiles in order, so decode,
-// which runs a strip's tiles side by side, reads one stream front to back. One
-// (tile, group) block is `block_bytes`:
+// scale 0 and the code of q = 0), tiles in strips of kStripTiles = 4 (64 channels; the
+// last strip may hold fewer). The whole matrix is one sequential stream, strip after
+// strip; within a strip group after group, and within a group the strip's tiles in
+// order, so decode, which runs a strip's tiles side by side, reads one stream front to
+// back. One (tile, group) block is `block_bytes`: the group's codes, then the tile's 16
+// scales (float32, 64 bytes, or float16 as given, 32 bytes: converted in registers, so
+// the bytes saved are bytes not read).
 //
-//   group_size / 8 code rows of 64 bytes, then the tile's 16 float32 scales (64 bytes)
-//
-// Code row v of group g holds codes k = g*group_size + 8v + j (j = 0..7). In it,
-// channel c owns bytes 4c..4c+3 (32-bit lane c); byte b of that lane holds
-//   low nibble:  code of k = g*group_size + 8v + b      (j = b)
-//   high nibble: code of k = g*group_size + 8v + 4 + b  (j = 4 + b)
-// so `row & 0x0F` is four consecutive codes per lane, ready for vpdpbusd against four
-// consecutive int8 activations, and `(row >> 4) & 0x0F` the next four. In FP32 mode,
-// lane c's code j sits at bit 8b (j = b) or 8b + 4 (j = 4 + b).
-// Codes are q + 8 in 0..15; K is padded to groups * group_size with code 8 (q = 0).
-// No other padding: the stream is (tiles * groups * block_bytes) bytes.
-constexpr int64_t kStripTiles = 4;
+// Codes of b bits (b = `bits`, code = q + 2^(b-1)) are split into a low plane of
+// lo bits and a high plane of hi bits (planes_of: 2 = 2, 3 = 2 + 1, 4 = 4, 5 = 4 + 1,
+// 6 = 4 + 2, 8 = 8), code = low | high << lo. A group is cut into chunks of
+// C = min(group_size, 32) codes; a chunk is the low plane's C*lo/32 code rows of 64 bytes,
+// then the high plane's max(1, C*hi/32) rows (none without a high plane). In a plane of
+// p bits, channel c owns bytes 4c..4c+3 (32-bit lane c) of each row, and "quad" Q of the
+// chunk (codes k = 4Q .. 4Q+3 of the chunk) sits in row Q*p/8, at bit p*(Q mod 8/p) of
+// the lane's bytes b = 0..3, one code per byte. So one shift and one mask give four
+// consecutive codes per lane, ready for vpdpbusd against four consecutive int8
+// activations, and a second plane costs one more shift, mask and or. For b = 4 this is
+// the original layout: code row v holds codes 8v .. 8v+7, byte b's low nibble code
+// 8v + b and its high nibble code 8v + 4 + b. Only a 1-bit plane at group_size 16 holds
+// padding (half its lanes' bits), so widths 3 and 5 spend one bit more per weight there.
+// K is padded to groups * group_size with the code of q = 0.
+constexpr int kMaxBits = 8;
+struct Planes {
+  int lo;  // bits of the low plane: 2, 4 or 8
+  int hi;  // bits of the high plane: 0 (none), 1 or 2
+};
+constexpr Planes planes_of(int bits) {
+  return bits == 2 ? Planes{2, 0}
+         : bits == 3 ? Planes{2, 1}
+         : bits == 5 ? Planes{4, 1}
+         : bits == 6 ? Planes{4, 2}
+         : bits == 8 ? Planes{8, 0}
+                     : Planes{4, 0};
+}
+// Codes per chunk, and the code rows of a chunk's low and high planes.
+constexpr int64_t chunk_codes(int64_t group_size) { return group_size < 32 ? group_size : 32; }
+constexpr int64_t low_rows(int bits, int64_t group_size) { return chunk_codes(group_size) * planes_of(bits).lo / 32; }
+constexpr int64_t high_rows(int bits, int64_t group_size) {
+  const int64_t r = chunk_codes(group_size) * planes_of(bits).hi / 32;
+  return planes_of(bits).hi == 0 ? 0 : (r > 0 ? r : 1);
+}
+constexpr int64_t chunk_bytes(int bits, int64_t group_size) {
+  return (low_rows(bits, group_size) + high_rows(bits, group_size)) * kCodeRowBytes;
+}
+// Bytes of one (tile, group) block.
+constexpr int64_t block_bytes_of(int bits, int64_t group_size, bool scales_f16) {
+  return group_size / chunk_codes(group_size) * chunk_bytes(bits, group_size) + kTileN * (scales_f16 ? 2 : 4);
+}
 
 struct PackedWeights {
   int64_t K = 0;
@@ -43,7 +77,9 @@ struct PackedWeights {
   int64_t group_size = 0;
   int64_t groups = 0;       // ceil(K / group_size)
   int64_t tiles = 0;        // ceil(N / 16)
-  int64_t block_bytes = 0;  // group_size * 8 + 64
+  int64_t block_bytes = 0;  // block_bytes_of(bits, group_size, scales_f16)
+  int bits = 4;             // code width b
+  bool scales_f16 = false;  // the blocks' scales are float16 (else float32)
   const uint8_t* stream = nullptr;
   const float* bias = nullptr;  // [tiles * 16] (zero past N) or nullptr
 
@@ -54,17 +90,32 @@ struct PackedWeights {
     const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
     return stream + (strip0 * groups + group * width + (tile - strip0)) * block_bytes;
   }
+  // Bytes of a block before its scales.
+  __attribute__((always_inline)) int64_t code_bytes() const { return block_bytes - kTileN * (scales_f16 ? 2 : 4); }
 };
+
+// Where the codes of channel c at offset j (0 .. group_size - 1) of a block lie: the code
+// is ((block[lo_byte] >> lo_shift) & (2^lo - 1)) | ((block[hi_byte] >> hi_shift) & (2^hi - 1)) << lo.
+struct CodeSpot {
+  int64_t lo_byte, hi_byte;
+  int lo_shift, hi_shift;
+};
+CodeSpot code_spot(int bits, int64_t group_size, int64_t c, int64_t j);
+// The code (0 .. 2^bits - 1) of channel c at offset j of a block, and the block's scale of channel c.
+int code_in_block(const PackedWeights& w, const uint8_t* block, int64_t c, int64_t j);
+float scale_in_block(const PackedWeights& w, const uint8_t* block, int64_t c);
+// float16 bits to float32, exactly (every float16 is a float32), without compiler support for _Float16.
+float half_to_float(uint16_t h);
 
 // int8 activations (compute mode "int8"): each row of A quantized per group, once per
 // call, before the parallel section. For row m and group g, with amax = max |a| over
 // the group: q = rint(a * (127 / amax)) (0 where amax = 0), scale = amax / 127 and
-// zsum = -8 * sum(q), which starts the group's integer dot product so that it
-// subtracts the codes' offset 8 exactly.
+// qsum = sum(q): the group's integer dot product starts at -2^(b-1) * qsum, so that it
+// subtracts the codes' offset exactly.
 struct QuantizedA {
   const int8_t* q = nullptr;      // [M, groups * group_size], zero past K
   const float* scale = nullptr;   // [M, groups]
-  const int32_t* zsum = nullptr;  // [M, groups]
+  const int32_t* qsum = nullptr;  // [M, groups]
 };
 
 // One call computes Y[m, n] = sum_k A[m, k] * W[k, n] (+ bias[n]) for all m in [0, M)
@@ -80,10 +131,10 @@ struct MatMulArgs {
 };
 
 using MatMulFn = void (*)(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end);
-// Quantizes A [M, K] for int8 mode into q [M, groups * group_size], scale and zsum
+// Quantizes A [M, K] for int8 mode into q [M, groups * group_size], scale and qsum
 // [M, groups] (QuantizedA).
 using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
-                             float* scale, int32_t* zsum);
+                             float* scale, int32_t* qsum);
 
 // The two compute modes, as indices into KernelVariant::matmul and KernelTable::defaults.
 enum Mode : int { kFp32 = 0, kInt8 = 1 };
@@ -105,8 +156,16 @@ struct KernelTable {
   int variant_count;
   int defaults[2];  // the variant each mode runs untuned, per Mode
   QuantizeAFn quantize_a;
+  // The kernels of every code width, indexed by bits (entries of widths the contract
+  // lacks are empty). Widths other than 4 run the default decode parameters; entry 4 is
+  // the default variant (the tuner picks among `variants` for 4-bit codes).
+  const KernelVariant* widths;  // [kMaxBits + 1]
 
   const KernelVariant& default_variant(Mode mode) const { return variants[defaults[mode]]; }
+  // The kernel of `mode` for codes of `bits` bits; `tuned` is the variant chosen for 4-bit codes.
+  MatMulFn matmul_for(int bits, Mode mode, const KernelVariant& tuned) const {
+    return bits == 4 ? tuned.matmul[mode] : widths[bits].matmul[mode];
+  }
   // The variant called `name`, or nullptr.
   const KernelVariant* find_variant(const char* name) const;
 };
@@ -117,9 +176,9 @@ const KernelTable& portable_kernels();
 // values (len <= group_size; q gets group_size entries, zero past len), which the SIMD
 // routines fall back to for short, non-finite or tiny groups.
 void quantize_group_portable(const float* a, int64_t len, int64_t group_size, int8_t* q, float* scale,
-                             int32_t* zsum);
+                             int32_t* qsum);
 void quantize_a_portable(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
-                         float* scale, int32_t* zsum);
+                         float* scale, int32_t* qsum);
 
 #if defined(CIM_INT4_X86_KERNELS)
 // x86-64 tables, each in its own translation unit built with its own -m flags. Call

@@ -17,6 +17,11 @@ namespace {
 
 constexpr int64_t kAlign = 64;
 
+float scale_at(const void* scales, bool f16, int64_t i) {
+  if (f16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 void* aligned_bytes(int64_t bytes) {
@@ -25,37 +30,34 @@ void* aligned_bytes(int64_t bytes) {
   return p;
 }
 
-uint8_t code_at(const uint8_t* row, int64_t k) {
-  const uint8_t byte = row[k / 2];
-  return (k % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
-}
-
-std::string check_attributes(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed, const float* scales,
-                             const float* bias) {
+std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
+                             const void* scales, bool scales_f16, const float* bias) {
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t k_padded = groups * group_size;
-  const int64_t in_row_bytes = k_padded / 2;
-  // The contract pads K with q = 0 (code 8); anything else means the packer
-  // disagrees with us about the layout, which would otherwise go unnoticed.
+  const int64_t in_row_bytes = k_padded * bits / 8;
+  const int offset = 1 << (bits - 1);
+  // The contract pads K with q = 0; anything else means the packer disagrees with us
+  // about the layout, which would otherwise go unnoticed.
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = packed + n * in_row_bytes;
     for (int64_t k = K; k < k_padded; ++k) {
-      if (code_at(row, k) != 8) {
+      if (attribute_code(row, k, bits) != offset) {
         std::ostringstream msg;
-        msg << "attribute 'packed': padding code at row " << n << ", k=" << k << " is " << int(code_at(row, k))
-            << ", expected 8 (q = 0) for every k >= K=" << K;
+        msg << "attribute 'packed': padding code at row " << n << ", k=" << k << " is "
+            << attribute_code(row, k, bits) << ", expected " << offset << " (q = 0) for every k >= K=" << K;
         return msg.str();
       }
     }
   }
   for (int64_t i = 0; i < N * groups; ++i) {
     // Any sign (ORT's and llama.cpp's symmetric rule map the largest-magnitude weight to
-    // -8, so the scale takes its sign); 8*|scale| bounds every dequantized weight, so it
-    // must be finite too.
-    if (!std::isfinite(scales[i]) || !std::isfinite(8.0f * scales[i])) {
+    // -2^(b-1), so the scale takes its sign); 2^(b-1)*|scale| bounds every dequantized
+    // weight, so it must be finite too (a finite float16 always is).
+    const float s = scale_at(scales, scales_f16, i);
+    if (!std::isfinite(s) || !std::isfinite(float(offset) * s)) {
       std::ostringstream msg;
-      msg << "attribute 'scales': value " << scales[i] << " at row " << i / groups << ", group " << i % groups
-          << " is not a finite number with 8*|scale| finite (|scale| <= 4.25e37)";
+      msg << "attribute 'scales': value " << s << " at row " << i / groups << ", group " << i % groups
+          << " is not a finite number with " << offset << "*|scale| finite";
       return msg.str();
     }
   }
@@ -69,6 +71,45 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, const uin
     }
   }
   return {};
+}
+
+// Codes of block (t, g) for bits != 4, written spot by spot (kernel.h's code_spot).
+void write_block_codes(uint8_t* block, const uint8_t* packed, int64_t in_row_bytes, int64_t t, int64_t g,
+                       int64_t N, int64_t group_size, int bits) {
+  const Planes p = planes_of(bits);
+  const int offset = 1 << (bits - 1);
+  for (int64_t c = 0; c < kTileN; ++c) {
+    const int64_t n = t * kTileN + c;
+    for (int64_t j = 0; j < group_size; ++j) {
+      const int code = n < N ? attribute_code(packed + n * in_row_bytes, g * group_size + j, bits) : offset;
+      const CodeSpot s = code_spot(bits, group_size, c, j);
+      block[s.lo_byte] = static_cast<uint8_t>(block[s.lo_byte] | ((code & ((1 << p.lo) - 1)) << s.lo_shift));
+      if (p.hi > 0) block[s.hi_byte] = static_cast<uint8_t>(block[s.hi_byte] | ((code >> p.lo) << s.hi_shift));
+    }
+  }
+}
+
+// Codes of block (t, g) for bits = 4 (the common case, a byte at a time): codes
+// k0..k0+7 (k0 even) are the nibbles of source bytes s[0..3], low first: lane byte b
+// takes code k0+b (low) and k0+4+b (high).
+void write_block_codes_4bit(uint8_t* block, const uint8_t* packed, int64_t in_row_bytes, int64_t t, int64_t g,
+                            int64_t N, int64_t group_size) {
+  for (int64_t c = 0; c < kTileN; ++c) {
+    const int64_t n = t * kTileN + c;
+    const uint8_t* src = packed + n * in_row_bytes;
+    for (int64_t v = 0; v < group_size / 8; ++v) {
+      uint8_t* lane = block + v * kCodeRowBytes + 4 * c;
+      if (n >= N) {
+        std::memset(lane, 0x88, 4);
+        continue;
+      }
+      const uint8_t* s = src + (g * group_size + 8 * v) / 2;
+      lane[0] = static_cast<uint8_t>((s[0] & 0x0F) | (s[2] << 4));
+      lane[1] = static_cast<uint8_t>((s[0] >> 4) | (s[2] & 0xF0));
+      lane[2] = static_cast<uint8_t>((s[1] & 0x0F) | (s[3] << 4));
+      lane[3] = static_cast<uint8_t>((s[1] >> 4) | (s[3] & 0xF0));
+    }
+  }
 }
 
 }  // namespace
@@ -96,16 +137,20 @@ bool is_supported_group_size(int64_t g) {
   return std::find(std::begin(contract::kGroupSizes), std::end(contract::kGroupSizes), g) != std::end(contract::kGroupSizes);
 }
 
-std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
-                                 const float* scales, const float* bias) {
-  std::string problem = check_attributes(K, N, group_size, packed, scales, bias);
+bool is_supported_bits(int64_t bits) {
+  return std::find(std::begin(contract::kBits), std::end(contract::kBits), bits) != std::end(contract::kBits);
+}
+
+std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
+                                 const void* scales, bool scales_f16, const float* bias) {
+  std::string problem = check_attributes(K, N, group_size, bits, packed, scales, scales_f16, bias);
   if (!problem.empty()) return problem;
 
   const int64_t groups = (K + group_size - 1) / group_size;
-  const int64_t in_row_bytes = groups * group_size / 2;
+  const int64_t in_row_bytes = groups * group_size * bits / 8;
   const int64_t tiles = (N + kTileN - 1) / kTileN;
-  const int64_t rows_per_group = group_size / 8;
-  const int64_t block_bytes = rows_per_group * kCodeRowBytes + kTileN * int64_t(sizeof(float));
+  const int64_t block_bytes = block_bytes_of(bits, group_size, scales_f16);
+  const int64_t code_bytes = block_bytes - kTileN * (scales_f16 ? 2 : 4);
   stream_bytes_ = tiles * groups * block_bytes;
   stream_.reset(static_cast<uint8_t*>(allocate_stream(stream_bytes_)));
 
@@ -114,24 +159,21 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
       const int64_t strip0 = t / kStripTiles * kStripTiles;
       const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
       uint8_t* block = stream_.get() + (strip0 * groups + g * width + (t - strip0)) * block_bytes;
-      float* block_scales = reinterpret_cast<float*>(block + rows_per_group * kCodeRowBytes);
+      if (bits == 4) {
+        write_block_codes_4bit(block, packed, in_row_bytes, t, g, N, group_size);
+      } else {
+        std::memset(block, 0, static_cast<size_t>(code_bytes));
+        write_block_codes(block, packed, in_row_bytes, t, g, N, group_size, bits);
+      }
+      // Scales as given (float16 stays float16); padding channels get scale 0.
+      const size_t scale_size = scales_f16 ? 2 : 4;
       for (int64_t c = 0; c < kTileN; ++c) {
         const int64_t n = t * kTileN + c;
-        const uint8_t* src = packed + n * in_row_bytes;
-        block_scales[c] = n < N ? scales[n * groups + g] : 0.0f;
-        for (int64_t v = 0; v < rows_per_group; ++v) {
-          uint8_t* lane = block + v * kCodeRowBytes + 4 * c;
-          if (n >= N) {
-            std::memset(lane, 0x88, 4);
-            continue;
-          }
-          // Codes k0..k0+7 (k0 even) are the nibbles of source bytes s[0..3], low first:
-          // lane byte b takes code k0+b (low) and k0+4+b (high).
-          const uint8_t* s = src + (g * group_size + 8 * v) / 2;
-          lane[0] = static_cast<uint8_t>((s[0] & 0x0F) | (s[2] << 4));
-          lane[1] = static_cast<uint8_t>((s[0] >> 4) | (s[2] & 0xF0));
-          lane[2] = static_cast<uint8_t>((s[1] & 0x0F) | (s[3] << 4));
-          lane[3] = static_cast<uint8_t>((s[1] >> 4) | (s[3] & 0xF0));
+        uint8_t* dst = block + code_bytes + c * int64_t(scale_size);
+        if (n < N) {
+          std::memcpy(dst, static_cast<const uint8_t*>(scales) + (n * groups + g) * int64_t(scale_size), scale_size);
+        } else {
+          std::memset(dst, 0, scale_size);
         }
       }
     }
@@ -150,6 +192,8 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, const
   w_.groups = groups;
   w_.tiles = tiles;
   w_.block_bytes = block_bytes;
+  w_.bits = bits;
+  w_.scales_f16 = scales_f16;
   w_.stream = stream_.get();
   w_.bias = bias_.get();
   return {};

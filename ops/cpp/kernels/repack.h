@@ -16,13 +16,15 @@ class PackedStorage {
   const PackedWeights& weights() const { return w_; }
 
   // Builds the tile layout (kernel.h) from the attribute layout:
-  //   packed: uint8 [N, K_padded / 2], element k of row n in byte k / 2, even k in the
-  //           low nibble, code = q + 8;  scales: float32 [N, groups];  bias: [N] or null.
-  // Checks first (padding codes, finite scales with 8|scale| finite, finite bias), so
-  // nothing is allocated for bad input. Returns an empty string on success, else what is
-  // wrong (the caller names the node). The caller may free its inputs afterwards.
-  std::string build(int64_t K, int64_t N, int64_t group_size, const uint8_t* packed,
-                    const float* scales, const float* bias);
+  //   packed: uint8 [N, K_padded * bits / 8], row n one little-endian bit stream, element
+  //           k in bits k*bits .. k*bits + bits-1 (attribute_code), code = q + 2^(bits-1);
+  //   scales: [N, groups], float32 or (scales_f16) float16 bits;  bias: [N] or null.
+  // Checks first (padding codes, finite scales with 2^(bits-1)|scale| finite in float32,
+  // finite bias), so nothing is allocated for bad input. Returns an empty string on
+  // success, else what is wrong (the caller names the node). The caller may free its
+  // inputs afterwards.
+  std::string build(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed, const void* scales,
+                    bool scales_f16, const float* bias);
 
   // Bytes this object holds (the stream and the bias).
   int64_t bytes() const { return stream_bytes_ + bias_bytes_; }
@@ -41,6 +43,18 @@ class PackedStorage {
 // Memory for a weight stream of `bytes` (64-byte aligned; from 4 MiB on, 2 MiB aligned
 // and advised to use transparent huge pages). Free it with std::free.
 void* allocate_stream(int64_t bytes);
+
+// Code k (0 .. 2^bits - 1) of one row of the attribute format (a little-endian bit stream).
+inline int attribute_code(const uint8_t* row, int64_t k, int bits) {
+  const int64_t bit = k * bits;
+  const int shift = int(bit % 8);
+  int v = row[bit / 8] >> shift;
+  if (shift + bits > 8) v |= row[bit / 8 + 1] << (8 - shift);
+  return v & ((1 << bits) - 1);
+}
+
+// True for the widths the op accepts (contract::kBits).
+bool is_supported_bits(int64_t bits);
 
 // True for the group sizes the op accepts (contract::kGroupSizes, from src/cim_int4/contract.py).
 bool is_supported_group_size(int64_t group_size);

@@ -82,6 +82,33 @@ struct Avx2 {
   static I low_nibbles(I row) { return _mm256_and_si256(row, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I row) { return _mm256_and_si256(_mm256_srli_epi16(row, 4), _mm256_set1_epi8(0x0F)); }
 
+  // float16 scales of one vector, converted exactly (F16C's vcvtph2ps).
+  static F load_f16(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
+  // Byte-plane unpacking for the widths other than 4 (plane_kernels.h).
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I set1_i8(char x) { return _mm256_set1_epi8(x); }
+  template <int N> static I shl16(I x) { return _mm256_slli_epi16(x, N); }
+  template <int N> static I shr16(I x) { return _mm256_srli_epi16(x, N); }
+  template <int N> static I shl32(I x) { return _mm256_slli_epi32(x, N); }
+  template <int N> static I sar32(I x) { return _mm256_srai_epi32(x, N); }
+
+  // dot4 for codes up to 255 (see simd_avx512.h): two nibbles without VNNI.
+  static I dot4_u8(I acc, I u8, I s8) {
+    if constexpr (kDot == Dot::kMaddubs) {
+      const I ones = _mm256_set1_epi16(1);
+      const I lo = _mm256_madd_epi16(_mm256_maddubs_epi16(low_nibbles(u8), s8), ones);
+      const I hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(u8), s8), ones);
+      return _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+    } else {
+      return dot4(acc, u8, s8);
+    }
+  }
+
   // acc + sum of 4 products u8 x s8 per 32-bit lane (see simd_avx512.h for the bounds).
   static I dot4(I acc, I u8, I s8) {
     if constexpr (kDot == Dot::kAvxVnni) {

@@ -71,6 +71,34 @@ struct Avx512 {
   static I low_nibbles(I row) { return _mm512_and_si512(row, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I row) { return _mm512_and_si512(_mm512_srli_epi16(row, 4), _mm512_set1_epi8(0x0F)); }
 
+  // float16 scales of one vector, converted exactly (AVX-512F's vcvtph2ps).
+  static F load_f16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+
+  // Byte-plane unpacking for the widths other than 4 (plane_kernels.h).
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I set1_i8(char x) { return _mm512_set1_epi8(x); }
+  template <int N> static I shl16(I x) { return _mm512_slli_epi16(x, N); }
+  template <int N> static I shr16(I x) { return _mm512_srli_epi16(x, N); }
+  template <int N> static I shl32(I x) { return _mm512_slli_epi32(x, N); }
+  template <int N> static I sar32(I x) { return _mm512_srai_epi32(x, N); }
+
+  // dot4 for codes up to 255: vpdpbusd as is; vpmaddubsw would saturate (2 * 255 * 127
+  // > 32767), so without VNNI the codes go in as two nibbles, the high one's sum times 16.
+  static I dot4_u8(I acc, I u8, I s8) {
+    if constexpr (kVnni) {
+      return _mm512_dpbusd_epi32(acc, u8, s8);
+    } else {
+      const I ones = _mm512_set1_epi16(1);
+      const I lo = _mm512_madd_epi16(_mm512_maddubs_epi16(low_nibbles(u8), s8), ones);
+      const I hi = _mm512_madd_epi16(_mm512_maddubs_epi16(high_nibbles(u8), s8), ones);
+      return _mm512_add_epi32(acc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+    }
+  }
+
   // acc + sum of 4 products u8 x s8 per 32-bit lane. Without VNNI: vpmaddubsw (pairs to
   // int16: |15 * 127 * 2| = 3810 never saturates) and vpmaddwd by 1 (pairs to int32).
   static I dot4(I acc, I u8, I s8) {

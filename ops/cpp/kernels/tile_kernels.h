@@ -9,9 +9,12 @@
 // Layout (kernel.h): channels in the vector lanes, 16 per tile (S::kLanes per vector,
 // kVecs = 16 / S::kLanes vectors per tile). Both compute modes perform, per output, the
 // arithmetic of the portable kernel and ops/reference.py's `emulate`, so every path,
-// block shape, M and N split gives the same bits:
-//   fp32: per group  t = fma(a_k, c_k - 8, t) for k in order;  acc = fma(t, scale, acc)
-//   int8: per group  d = zsum + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
+// block shape, M and N split gives the same bits (o = 2^(bits-1), 8 for 4-bit codes;
+// float16 scales are converted exactly, vcvtph2ps):
+//   fp32: per group  t = fma(a_k, c_k - o, t) for k in order;  acc = fma(t, scale, acc)
+//   int8: per group  d = -o * sum q_k + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
+// 4-bit codes run the loops below, tuned per core (variants.h); the other widths unpack
+// their planes (kernel.h) a quad of codes at a time (plane_kernels.h) in the same skeleton.
 // Loops, outer to inner:
 //   decode (M = 1): the 4 tiles of a strip side by side (independent FMA / vpdpbusd
 //     chains hide their latency), the stream read once, front to back.
@@ -25,31 +28,13 @@
 
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 #include "kernels/kernel.h"
+#include "kernels/plane_kernels.h"
+#include "kernels/simd_util.h"
 
 namespace cim {
 namespace {
-
-#define CIM_INLINE inline __attribute__((always_inline))
-
-// Calls f(std::integral_constant<int, j>) for j = 0 .. J-1, unrolled at compile time
-// (shift counts and lane positions must be immediates).
-template <typename Fn, int... J>
-CIM_INLINE void static_for_impl(Fn&& f, std::integer_sequence<int, J...>) {
-  (f(std::integral_constant<int, J>{}), ...);
-}
-template <int J, typename Fn>
-CIM_INLINE void static_for(Fn&& f) {
-  static_for_impl(f, std::make_integer_sequence<int, J>{});
-}
-
-CIM_INLINE int32_t load_i32(const int8_t* p) {
-  int32_t x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
 
 template <class S>
 struct TileKernels {
@@ -84,11 +69,15 @@ struct TileKernels {
     }
   }
 
-  // The tile scales of a block, vector x of NT * kVecs.
-  template <int NT>
+  // The tile scales of a block, vector x of NT * kVecs (float16 ones converted in registers).
+  template <int NT, bool kF16>
   static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int x) {
-    const float* s = reinterpret_cast<const float*>(blk[x / kVecs] + (w.group_size / 8) * kCodeRowBytes);
-    return S::load(s + (x % kVecs) * S::kLanes);
+    const uint8_t* s = blk[x / kVecs] + w.code_bytes();
+    if constexpr (kF16) {
+      return S::load_f16(s + (x % kVecs) * S::kLanes * 2);
+    } else {
+      return S::load(reinterpret_cast<const float*>(s) + (x % kVecs) * S::kLanes);
+    }
   }
 
   template <int NT>
@@ -164,7 +153,7 @@ struct TileKernels {
     });
   }
 
-  template <int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
+  template <int kBits, bool kF16, int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
   static void fp32_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     F acc[R][NT * kVecs];
@@ -180,20 +169,24 @@ struct TileKernels {
         for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
       const int64_t k0 = g * w.group_size;
       const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
-      int64_t v = 0;
-      for (; 8 * v + 8 <= valid; ++v) fp32_row<NT, R, 8>(blk, v, a, k0 + 8 * v, t);
-      switch (valid - 8 * v) {  // the tail of K: codes past it are 8 (q = 0), A has no values there
-        case 7: fp32_row<NT, R, 7>(blk, v, a, k0 + 8 * v, t); break;
-        case 6: fp32_row<NT, R, 6>(blk, v, a, k0 + 8 * v, t); break;
-        case 5: fp32_row<NT, R, 5>(blk, v, a, k0 + 8 * v, t); break;
-        case 4: fp32_row<NT, R, 4>(blk, v, a, k0 + 8 * v, t); break;
-        case 3: fp32_row<NT, R, 3>(blk, v, a, k0 + 8 * v, t); break;
-        case 2: fp32_row<NT, R, 2>(blk, v, a, k0 + 8 * v, t); break;
-        case 1: fp32_row<NT, R, 1>(blk, v, a, k0 + 8 * v, t); break;
-        default: break;
+      if constexpr (kBits == 4) {
+        int64_t v = 0;
+        for (; 8 * v + 8 <= valid; ++v) fp32_row<NT, R, 8>(blk, v, a, k0 + 8 * v, t);
+        switch (valid - 8 * v) {  // the tail of K: codes past it are 8 (q = 0), A has no values there
+          case 7: fp32_row<NT, R, 7>(blk, v, a, k0 + 8 * v, t); break;
+          case 6: fp32_row<NT, R, 6>(blk, v, a, k0 + 8 * v, t); break;
+          case 5: fp32_row<NT, R, 5>(blk, v, a, k0 + 8 * v, t); break;
+          case 4: fp32_row<NT, R, 4>(blk, v, a, k0 + 8 * v, t); break;
+          case 3: fp32_row<NT, R, 3>(blk, v, a, k0 + 8 * v, t); break;
+          case 2: fp32_row<NT, R, 2>(blk, v, a, k0 + 8 * v, t); break;
+          case 1: fp32_row<NT, R, 1>(blk, v, a, k0 + 8 * v, t); break;
+          default: break;
+        }
+      } else {
+        PlaneKernels<S, kBits>::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT>(w, blk, x);
+        const F s = scales_of<NT, kF16>(w, blk, x);
         for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
       }
     }
@@ -202,7 +195,7 @@ struct TileKernels {
 
   // ---- int8 mode ---------------------------------------------------------------------
 
-  template <int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
+  template <int kBits, bool kF16, int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
   static void int8_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
@@ -211,32 +204,35 @@ struct TileKernels {
     load_acc<NT, R>(args, t0, m0, g0, acc);
     const int8_t* q[R];
     for (int r = 0; r < R; ++r) q[r] = qa.q + (m0 + r) * k_padded;
-    const int64_t rows = w.group_size / 8;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
-        const I z = S::set1_i32(qa.zsum[(m0 + r) * w.groups + g]);
+        const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[(m0 + r) * w.groups + g]);
         for (int x = 0; x < NT * kVecs; ++x) d[r][x] = z;
       }
       const int64_t k0 = g * w.group_size;
-      for (int64_t v = 0; v < rows; ++v) {
-        I lo[NT * kVecs], hi[NT * kVecs];
-        for (int x = 0; x < NT * kVecs; ++x) {
-          const I row = code_row<NT>(blk, v, x);
-          lo[x] = S::low_nibbles(row);   // lane c: codes k0+8v .. +3 of channel c
-          hi[x] = S::high_nibbles(row);  // lane c: codes k0+8v+4 .. +7
+      if constexpr (kBits == 4) {
+        for (int64_t v = 0; v < w.group_size / 8; ++v) {
+          I lo[NT * kVecs], hi[NT * kVecs];
+          for (int x = 0; x < NT * kVecs; ++x) {
+            const I row = code_row<NT>(blk, v, x);
+            lo[x] = S::low_nibbles(row);   // lane c: codes k0+8v .. +3 of channel c
+            hi[x] = S::high_nibbles(row);  // lane c: codes k0+8v+4 .. +7
+          }
+          for (int r = 0; r < R; ++r) {
+            const I q_lo = S::set1_i32(load_i32(q[r] + k0 + 8 * v));
+            const I q_hi = S::set1_i32(load_i32(q[r] + k0 + 8 * v + 4));
+            for (int x = 0; x < NT * kVecs; ++x) d[r][x] = S::dot4(S::dot4(d[r][x], lo[x], q_lo), hi[x], q_hi);
+          }
         }
-        for (int r = 0; r < R; ++r) {
-          const I q_lo = S::set1_i32(load_i32(q[r] + k0 + 8 * v));
-          const I q_hi = S::set1_i32(load_i32(q[r] + k0 + 8 * v + 4));
-          for (int x = 0; x < NT * kVecs; ++x) d[r][x] = S::dot4(S::dot4(d[r][x], lo[x], q_lo), hi[x], q_hi);
-        }
+      } else {
+        PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT>(w, blk, x);
+        const F s = scales_of<NT, kF16>(w, blk, x);
         for (int r = 0; r < R; ++r) {
           const F scale = S::mul(S::set1(qa.scale[(m0 + r) * w.groups + g]), s);
           acc[r][x] = S::fma(S::cvt(d[r][x]), scale, acc[r][x]);
@@ -248,13 +244,21 @@ struct TileKernels {
 
   // ---- drivers -----------------------------------------------------------------------
 
-  template <bool kInt8, int NT, int R, int64_t kAhead = kInt8 ? kPrefetchInt8 : kPrefetchFp32,
+  // The compile-time choices of one call: code width, float16 scales, compute mode.
+  template <int kBitsArg, bool kF16Arg, bool kInt8Arg>
+  struct Form {
+    static constexpr int kBits = kBitsArg;
+    static constexpr bool kF16 = kF16Arg;
+    static constexpr bool kInt8 = kInt8Arg;
+  };
+
+  template <class Fm, int NT, int R, int64_t kAhead = Fm::kInt8 ? kPrefetchInt8 : kPrefetchFp32,
             int kHint = _MM_HINT_T0>
   static CIM_INLINE void block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
-    if constexpr (kInt8) {
-      int8_block<NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
+    if constexpr (Fm::kInt8) {
+      int8_block<Fm::kBits, Fm::kF16, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     } else {
-      fp32_block<NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
+      fp32_block<Fm::kBits, Fm::kF16, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     }
   }
 
@@ -263,13 +267,13 @@ struct TileKernels {
   static constexpr int kPrefillRows = kInt8 ? S::kPrefillRowsInt8 : S::kPrefillRowsFp32;
 
   // Rows m0 .. m0 + rows - 1 (1 <= rows <= kPrefillRows) against tiles t0 .. t0 + NT - 1.
-  template <bool kInt8, int NT, int R = kPrefillRows<kInt8>>
+  template <class Fm, int NT, int R = kPrefillRows<Fm::kInt8>>
   static void rows_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t rows, int64_t g0, int64_t g1) {
     if constexpr (R >= 1) {
       if (rows == R) {
-        block<kInt8, NT, R>(args, t0, m0, g0, g1);
+        block<Fm, NT, R>(args, t0, m0, g0, g1);
       } else {
-        rows_block<kInt8, NT, R - 1>(args, t0, m0, rows, g0, g1);
+        rows_block<Fm, NT, R - 1>(args, t0, m0, rows, g0, g1);
       }
     }
   }
@@ -285,20 +289,20 @@ struct TileKernels {
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip take the default prefetch, one at a time.
-  template <bool kInt8, int NT, int64_t kAhead, int kHint>
+  template <class Fm, int NT, int64_t kAhead, int kHint>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
-    for (; t + NT <= tile_end; t += NT) block<kInt8, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
-    for (; t < tile_end; ++t) block<kInt8, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
+    for (; t + NT <= tile_end; t += NT) block<Fm, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
+    for (; t < tile_end; ++t) block<Fm, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
   }
 
   // M > 1 (M = 1 works too, at prefill's pace).
-  template <bool kInt8>
+  template <class Fm>
   static void prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     constexpr int NT = S::kPrefillTiles;
-    constexpr int R = kPrefillRows<kInt8>;
+    constexpr int R = kPrefillRows<Fm::kInt8>;
     const int64_t k_groups = kPrefillK / w.group_size > 0 ? kPrefillK / w.group_size : 1;
     for (int64_t g0 = 0; g0 < w.groups; g0 += k_groups) {
       const int64_t g1 = g0 + k_groups < w.groups ? g0 + k_groups : w.groups;
@@ -307,8 +311,8 @@ struct TileKernels {
         for (int64_t m0 = 0; m0 < args.M; m0 += R) {
           const int64_t rows = args.M - m0 < R ? args.M - m0 : R;
           int64_t t = n0;
-          for (; t + NT <= n1; t += NT) rows_block<kInt8, NT>(args, t, m0, rows, g0, g1);
-          for (; t < n1; ++t) rows_block<kInt8, 1>(args, t, m0, rows, g0, g1);
+          for (; t + NT <= n1; t += NT) rows_block<Fm, NT>(args, t, m0, rows, g0, g1);
+          for (; t < n1; ++t) rows_block<Fm, 1>(args, t, m0, rows, g0, g1);
         }
       }
     }
@@ -319,7 +323,7 @@ struct TileKernels {
   // default). Groups that are short, hold a NaN or an inf, or are all zero or tiny take
   // the portable routine.
   static void quantize_a(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,
-                         float* scale, int32_t* zsum) {
+                         float* scale, int32_t* qsum) {
     const int64_t groups = (K + group_size - 1) / group_size;
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -327,7 +331,7 @@ struct TileKernels {
         const int64_t len = g * group_size + group_size <= K ? group_size : K - g * group_size;
         int8_t* qg = q + (m * groups + g) * group_size;
         float* sg = scale + m * groups + g;
-        int32_t* zg = zsum + m * groups + g;
+        int32_t* zg = qsum + m * groups + g;
         if (len == group_size && quantize_group(a, group_size, qg, sg, zg)) continue;
         quantize_group_portable(a, len, group_size, qg, sg, zg);
       }
@@ -335,7 +339,7 @@ struct TileKernels {
   }
 
   // One full group (a multiple of the vector width); false when the portable routine must decide.
-  static CIM_INLINE bool quantize_group(const float* a, int64_t len, int8_t* q, float* scale, int32_t* zsum) {
+  static CIM_INLINE bool quantize_group(const float* a, int64_t len, int8_t* q, float* scale, int32_t* qsum) {
     F amax_v = S::zero();
     bool finite = true;
     for (int64_t j = 0; j < len; j += S::kLanes) {
@@ -355,7 +359,7 @@ struct TileKernels {
       sum = S::add_i32(sum, qi);
     }
     *scale = amax / 127.0f;
-    *zsum = -8 * S::reduce_add_i32(sum);
+    *qsum = S::reduce_add_i32(sum);
     return true;
   }
 

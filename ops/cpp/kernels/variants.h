@@ -21,21 +21,32 @@
 namespace cim {
 namespace {
 
-// A variant's matmul: decode with traits D (the table's own S, or its 256-bit form) and
-// these parameters at M = 1; S's prefill otherwise (one prefill per table).
-template <class S, class D, bool kInt8, int NT, int64_t kAhead, int kHint>
+// A variant's matmul for codes of kBits bits: decode with traits D (the table's own S, or
+// its 256-bit form) and these parameters at M = 1; S's prefill otherwise (one prefill per
+// table). The weights' scale dtype picks the instantiation (once per call).
+template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint>
 void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
-  if (args.M == 1) {
-    TileKernels<D>::template decode<kInt8, NT, kAhead, kHint>(args, tile_begin, tile_end);
+  auto run = [&](auto f16) {
+    constexpr bool kF16 = decltype(f16)::value;
+    if (args.M == 1) {
+      using Fm = typename TileKernels<D>::template Form<kBits, kF16, kInt8>;
+      TileKernels<D>::template decode<Fm, NT, kAhead, kHint>(args, tile_begin, tile_end);
+    } else {
+      using Fm = typename TileKernels<S>::template Form<kBits, kF16, kInt8>;
+      TileKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
+    }
+  };
+  if (args.W->scales_f16) {
+    run(std::true_type{});
   } else {
-    TileKernels<S>::template prefill<kInt8>(args, tile_begin, tile_end);
+    run(std::false_type{});
   }
 }
 
 template <class S, class D, int NT, int64_t kAhead, int kHint>
 constexpr KernelVariant variant(const char* name) {
-  return KernelVariant{name,
-                       {variant_matmul<S, D, false, NT, kAhead, kHint>, variant_matmul<S, D, true, NT, kAhead, kHint>}};
+  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
+                              variant_matmul<S, D, 4, true, NT, kAhead, kHint>}};
 }
 
 constexpr int kT0 = _MM_HINT_T0;
@@ -60,10 +71,24 @@ struct Variants {
   static constexpr int count = int(sizeof all / sizeof all[0]) - (std::is_same_v<S, Y> ? kYmmRows : 0);
 };
 
+// Per code width, the kernels at the defaults' decode parameters (4 tiles side by side,
+// 12 KiB prefetch in fp32 mode, 6 KiB in int8 mode). Entry 4 is the 4-bit default pair.
+template <class S>
+struct Widths {
+  template <int kBits>
+  static constexpr KernelVariant at(const char* name) {
+    return KernelVariant{name, {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
+                                variant_matmul<S, S, kBits, true, 4, 6144, kT0>}};
+  }
+  static constexpr KernelVariant all[kMaxBits + 1] = {
+      {}, {}, at<2>("bits2"), at<3>("bits3"), at<4>("bits4"), at<5>("bits5"), at<6>("bits6"), {}, at<8>("bits8")};
+};
+
 // The kernel table of traits S (and its 256-bit form Y).
 template <class S, class Y = S>
 KernelTable make_table(const char* name) {
-  return KernelTable{name, Variants<S, Y>::all, Variants<S, Y>::count, {1, 0}, TileKernels<S>::quantize_a};
+  return KernelTable{name,          Variants<S, Y>::all,          Variants<S, Y>::count, {1, 0},
+                     TileKernels<S>::quantize_a, Widths<S>::all};
 }
 
 }  // namespace

@@ -44,12 +44,13 @@ class GatherKernel {
       attrs.fail("attribute 'group_size' is " + std::to_string(group_size_) + ", expected one of " +
                  cim::contract::kGroupSizesText);
     }
-    // The contract's other widths have no kernels in this library yet: refuse them rather
-    // than read their codes as 4-bit ones.
-    if (const int64_t bits = attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, "int, 4");
-        bits != 4) {
-      attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", this library runs 4-bit codes only");
+    const std::string bits_expected = std::string("int, one of ") + cim::contract::kBitsText;
+    const int64_t bits =
+        attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, bits_expected.c_str());
+    if (!cim::is_supported_bits(bits)) {
+      attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", expected one of " + cim::contract::kBitsText);
     }
+    bits_ = static_cast<int>(bits);
     if (attrs.input_count() != 3) {
       attrs.fail("has " + std::to_string(attrs.input_count()) + " inputs, expected 3 (packed, indices, scales)");
     }
@@ -129,29 +130,33 @@ class GatherKernel {
   // The table of inputs `data` and `scales`, after checking their types and shapes against K and group_size.
   cim::Int4Table table(const TensorView& data, const TensorView& scales) const {
     const int64_t groups = (K_ + group_size_ - 1) / group_size_;
-    const int64_t row_bytes = groups * group_size_ / 2;
-    const std::string layout = "[rows, ceil(K/group_size)*group_size/2] with K=" + std::to_string(K_) +
-                               ", group_size=" + std::to_string(group_size_);
+    const int64_t row_bytes = groups * group_size_ * bits_ / 8;
+    const std::string layout = "[rows, ceil(K/group_size)*group_size*bits/8] with K=" + std::to_string(K_) +
+                               ", group_size=" + std::to_string(group_size_) + ", bits=" + std::to_string(bits_);
     if (data.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
       throw OpError(where() + "input 'packed' must be uint8 " + layout + ", got ONNX element type " +
                     std::to_string(int(data.type)));
     }
     const bool flat = data.dims.size() == 2 && data.dims[1] == row_bytes;
-    const bool blocked = data.dims.size() == 3 && data.dims[1] == groups && data.dims[2] == group_size_ / 2;
+    const bool blocked =
+        data.dims.size() == 3 && data.dims[1] == groups && data.dims[2] == group_size_ * bits_ / 8;
     if (!flat && !blocked) {
       throw OpError(where() + "input 'packed' has shape " + dims_str(data.dims) + ", expected " + layout +
-                    " (or [rows, groups, group_size/2])");
+                    " (or [rows, groups, group_size*bits/8])");
     }
     const int64_t rows = data.dims[0];
-    if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ||
+    const bool f16 = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    if ((scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && !f16) ||
         (scales.dims != std::vector<int64_t>{rows, groups} && scales.dims != std::vector<int64_t>{rows * groups})) {
       throw OpError(where() + "input 'scales' is ONNX element type " + std::to_string(int(scales.type)) +
-                    " with shape " + dims_str(scales.dims) + ", expected float32 " +
+                    " with shape " + dims_str(scales.dims) + ", expected float32 or float16 " +
                     dims_str({rows, groups}) + " ([rows, ceil(K/group_size)])");
     }
     cim::Int4Table t;
     t.packed = static_cast<const uint8_t*>(data.data);
-    t.scales = static_cast<const float*>(scales.data);
+    t.scales = scales.data;
+    t.scales_f16 = f16;
+    t.bits = bits_;
     t.rows = rows;
     t.K = K_;
     t.group_size = group_size_;
@@ -176,6 +181,7 @@ class GatherKernel {
   std::string node_;
   int64_t K_ = 0;
   int64_t group_size_ = 32;
+  int bits_ = 4;
   int64_t ranges_ = 1;
   TensorView data_, scales_;
 };
@@ -202,10 +208,8 @@ OrtCustomOp make_op() {
   op.GetName = [](const OrtCustomOp*) { return CIM_GATHER_OP_TYPE; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
-    // indices: int32 or int64, checked in compute
-    return i == kData ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
-           : i == kScales ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-                          : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    // indices: int32 or int64; scales: float32 or float16 (both checked in compute)
+    return i == kData ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   op.InferOutputShapeFn = &infer_shape;

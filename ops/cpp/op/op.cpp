@@ -45,6 +45,20 @@ Scratch scratch_bytes(size_t bytes) {
   return Scratch(p);
 }
 
+// The node's code width (attribute 'bits', absent = 4), checked against the contract.
+int read_bits(const AttributeReader& attrs) {
+  const std::string expected = std::string("int, one of ") + cim::contract::kBitsText;
+  const int64_t bits = attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, expected.c_str());
+  if (!cim::is_supported_bits(bits)) {
+    attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", expected one of " + cim::contract::kBitsText);
+  }
+  return static_cast<int>(bits);
+}
+
+bool is_float16(const OrtValue* value) {
+  return tensor_info(value, "reading scales").type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+
 class Kernel {
  public:
   explicit Kernel(const OrtKernelInfo* info) : node_(node_name(info)) {
@@ -61,12 +75,7 @@ class Kernel {
       attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of " +
                  cim::contract::kGroupSizesText);
     }
-    // The contract's other widths have no kernels in this library yet: refuse them rather
-    // than read their codes as 4-bit ones.
-    if (const int64_t bits = attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, "int, 4");
-        bits != 4) {
-      attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", this library runs 4-bit codes only");
-    }
+    const int bits = read_bits(attrs);
     // The node's compute mode, unless the session config overrides it for every node;
     // each is checked where it is given.
     const SessionConfig config(info);
@@ -88,9 +97,14 @@ class Kernel {
     int8_ = compute == "int8";  // the one mode besides the default fp32
 
     const int64_t groups = (K + group_size - 1) / group_size;
-    const int64_t row_bytes = groups * group_size / 2;
+    const int64_t row_bytes = groups * group_size * bits / 8;
+    const std::string packed_layout = "[N, ceil(K/group_size)*group_size*bits/8], codes of bits=" +
+                                      std::to_string(bits) + " as one little-endian bit stream per row";
+    const std::vector<ONNXTensorElementDataType> scale_types = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
+    const char* scale_type_names = "float32 or float16";
     ValuePtr bias;
-    if (attrs.has(cim::contract::kAttrBias)) bias = attrs.tensor(cim::contract::kAttrBias, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    if (attrs.has(cim::contract::kAttrBias)) bias = attrs.tensor(cim::contract::kAttrBias, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}, "float32", {N}, "[N]");
     const float* bias_data = bias ? data_of<float>(bias.get()) : nullptr;
     const size_t inputs = attrs.input_count();
     if (inputs == 3) {
@@ -100,23 +114,23 @@ class Kernel {
         attrs.fail("has inputs 'packed' and 'scales' and also attributes of those names; give one or the other");
       }
       const OrtValue* packed =
-          attrs.constant_input(1, cim::contract::kAttrPacked, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
-                               {{N, row_bytes}, {N, groups, group_size / 2}},
-                               "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
-      const OrtValue* scales = attrs.constant_input(2, cim::contract::kAttrScales, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32",
+          attrs.constant_input(1, cim::contract::kAttrPacked, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8}, "uint8",
+                               {{N, row_bytes}, {N, groups, group_size * bits / 8}}, packed_layout.c_str());
+      const OrtValue* scales = attrs.constant_input(2, cim::contract::kAttrScales, scale_types, scale_type_names,
                                                     {{N, groups}, {N * groups}}, "[N, ceil(K/group_size)]");
-      const std::string problem =
-          storage_.build(K, N, group_size, data_of<uint8_t>(packed), data_of<float>(scales), bias_data);
+      const std::string problem = storage_.build(K, N, group_size, bits, data_of<uint8_t>(packed),
+                                                 data_of<void>(scales), is_float16(scales), bias_data);
       if (!problem.empty()) attrs.fail(problem);
     } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
       // the model plus one node's copies, and afterwards we hold only our repacked stream.
-      ValuePtr scales = attrs.tensor(cim::contract::kAttrScales, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
+      ValuePtr scales = attrs.tensor(cim::contract::kAttrScales, scale_types, scale_type_names, {N, groups},
                                      "[N, ceil(K/group_size)]");
-      ValuePtr packed = attrs.tensor(cim::contract::kAttrPacked, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8", {N, row_bytes},
-                                     "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
-      const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
-                                                 data_of<float>(scales.get()), bias_data);
+      ValuePtr packed = attrs.tensor(cim::contract::kAttrPacked, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8}, "uint8",
+                                     {N, row_bytes}, packed_layout.c_str());
+      const std::string problem =
+          storage_.build(K, N, group_size, bits, data_of<uint8_t>(packed.get()), data_of<void>(scales.get()),
+                         is_float16(scales.get()), bias_data);
       if (!problem.empty()) attrs.fail(problem);
     } else {
       attrs.fail("has " + std::to_string(inputs) +
@@ -144,7 +158,7 @@ class Kernel {
     if (!cim::choose_variants(*kernels_, choice, variant_error)) attrs.fail(variant_error);
     if (!choice.message.empty()) std::fprintf(stderr, "%s\n", choice.message.c_str());
     const cim::Mode mode = int8_ ? cim::kInt8 : cim::kFp32;
-    matmul_ = choice.variant[mode]->matmul[mode];
+    matmul_ = kernels_->matmul_for(bits, mode, *choice.variant[mode]);
     ranges_ = parallel_ranges(config);
   }
 
@@ -289,7 +303,10 @@ OrtCustomOp make_op() {
   // A, then optionally packed and scales as constant initializers (else attributes).
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    // scales: float32 or float16, checked at load
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+           : i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED
+                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;

@@ -172,9 +172,9 @@ class AttributeReader {
     return count;
   }
 
-  // Input `index` (called `name`), which must be a constant initializer of the given element
-  // type with one of the `shapes`. ORT owns the value; it lives as long as the session.
-  const OrtValue* constant_input(size_t index, const char* name, ONNXTensorElementDataType type,
+  // Input `index` (called `name`), which must be a constant initializer of one of the given
+  // element types with one of the `shapes`. ORT owns the value; it lives as long as the session.
+  const OrtValue* constant_input(size_t index, const char* name, const std::vector<ONNXTensorElementDataType>& types,
                                  const char* type_name, const std::vector<std::vector<int64_t>>& shapes,
                                  const char* layout) const {
     std::string expected = std::string(type_name) + " tensor ";
@@ -192,7 +192,7 @@ class AttributeReader {
            "' must be a constant initializer (not a graph input or a computed tensor); expected " + expected);
     }
     const auto [got_type, got] = tensor_info(value, where() + "reading input " + name);
-    if (got_type != type) {
+    if (std::find(types.begin(), types.end(), got_type) == types.end()) {
       fail(std::string("input '") + name + "' has element type " + std::to_string(int(got_type)) +
            " (ONNX TensorProto enum), expected " + expected);
     }
@@ -255,9 +255,9 @@ class AttributeReader {
     return value;
   }
 
-  // A tensor attribute of the given element type and shape; on mismatch, a message
-  // that states what was found and what was expected.
-  ValuePtr tensor(const char* name, ONNXTensorElementDataType type, const char* type_name,
+  // A tensor attribute of one of the given element types and the given shape; on
+  // mismatch, a message that states what was found and what was expected.
+  ValuePtr tensor(const char* name, const std::vector<ONNXTensorElementDataType>& types, const char* type_name,
                   const std::vector<int64_t>& shape, const char* layout) const {
     const std::string expected = std::string(type_name) + " tensor " + dims_str(shape) + " (" + layout + ")";
     OrtValue* raw = nullptr;
@@ -269,7 +269,7 @@ class AttributeReader {
     }
     ValuePtr value(raw);
     const auto [got_type, got] = tensor_info(value.get(), where() + "reading attribute " + name);
-    if (got_type != type) {
+    if (std::find(types.begin(), types.end(), got_type) == types.end()) {
       fail(std::string("attribute '") + name + "' has element type " + std::to_string(int(got_type)) +
            " (ONNX TensorProto enum), expected " + expected);
     }

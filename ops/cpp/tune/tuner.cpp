@@ -85,7 +85,7 @@ struct Synthetic {
   std::unique_ptr<uint8_t, FreeDeleter> stream;
   std::vector<float> a, y, qscale;
   std::vector<int8_t> q;
-  std::vector<int32_t> zsum;
+  std::vector<int32_t> qsum;
   PackedWeights w;
   QuantizedA qa;
 
@@ -93,7 +93,7 @@ struct Synthetic {
     w.K = 4096;
     w.group_size = 32;
     w.groups = w.K / w.group_size;
-    w.block_bytes = w.group_size / 8 * kCodeRowBytes + kTileN * int64_t(sizeof(float));
+    w.block_bytes = block_bytes_of(4, w.group_size, false);
     w.tiles = std::max<int64_t>(kStripTiles, bytes / (w.groups * w.block_bytes) / kStripTiles * kStripTiles);
     w.N = w.tiles * kTileN;
     const int64_t total = w.tiles * w.groups * w.block_bytes;
@@ -117,9 +117,9 @@ struct Synthetic {
     y.resize(static_cast<size_t>(w.N));
     q.resize(static_cast<size_t>(w.K));
     qscale.resize(static_cast<size_t>(w.groups));
-    zsum.resize(static_cast<size_t>(w.groups));
-    table.quantize_a(a.data(), 1, w.K, w.K, w.group_size, q.data(), qscale.data(), zsum.data());
-    qa = QuantizedA{q.data(), qscale.data(), zsum.data()};
+    qsum.resize(static_cast<size_t>(w.groups));
+    table.quantize_a(a.data(), 1, w.K, w.K, w.group_size, q.data(), qscale.data(), qsum.data());
+    qa = QuantizedA{q.data(), qscale.data(), qsum.data()};
   }
 
   double time(MatMulFn fn) {

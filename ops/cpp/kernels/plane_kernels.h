@@ -1,0 +1,127 @@
+// The inner loops of one group for code widths other than 4 (2, 3, 5, 6, 8): the planes
+// of kernel.h's layout unpacked a quad of codes at a time (lane c, byte b: the code of
+// k = 4Q + b of a chunk), then the same arithmetic as the 4-bit loops of tile_kernels.h:
+//   fp32: t = fma(a_k, c_k - o, t) for k < K in order (o = 2^(bits-1));
+//   int8: d += sum q_k c_k, four codes per vpdpbusd (u8 codes x s8 activations, exact).
+// Without VNNI, vpmaddubsw adds u8 x s8 pairs into int16 with saturation: exact for codes
+// up to 127 (2 * 127 * 127 < 32768) but not for 8-bit codes, which go in as two nibbles
+// (dot4_u8). Internal linkage only, for the reason tile_kernels.h gives.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernel.h"
+#include "kernels/simd_util.h"
+
+namespace cim {
+namespace {
+
+template <class S, int kBits>
+struct PlaneKernels {
+  using F = typename S::F;
+  using I = typename S::I;
+  static constexpr int kVecs = int(kTileN) / S::kLanes;
+  static constexpr int kVecBytes = S::kLanes * 4;
+  static constexpr Planes kP = planes_of(kBits);
+  static constexpr int kOffset = 1 << (kBits - 1);
+
+  // Codes k = 4Q .. 4Q+3 of the chunk at `chunk` as u8, vector x of its tile; the high
+  // plane starts `high` bytes into the chunk. Shifts are on 16-bit lanes: the byte mask
+  // after each keeps only bits that came from the same byte.
+  template <int Q>
+  static CIM_INLINE I quad(const uint8_t* chunk, int64_t high, int x) {
+    constexpr int lo_row = Q * kP.lo / 8, lo_shift = kP.lo * (Q % (8 / kP.lo));
+    I code = S::loadi(chunk + lo_row * kCodeRowBytes + x * kVecBytes);
+    if constexpr (lo_shift > 0) code = S::template shr16<lo_shift>(code);
+    if constexpr (kP.lo < 8) code = S::and_(code, S::set1_i8(static_cast<char>((1 << kP.lo) - 1)));
+    if constexpr (kP.hi > 0) {
+      constexpr int hi_row = Q * kP.hi / 8, hi_shift = kP.hi * (Q % (8 / kP.hi));
+      I top = S::loadi(chunk + high + hi_row * kCodeRowBytes + x * kVecBytes);
+      if constexpr (hi_shift < kP.lo) {
+        top = S::template shl16<kP.lo - hi_shift>(top);
+      } else if constexpr (hi_shift > kP.lo) {
+        top = S::template shr16<hi_shift - kP.lo>(top);
+      }
+      code = S::or_(code, S::and_(top, S::set1_i8(static_cast<char>(((1 << kP.hi) - 1) << kP.lo))));
+    }
+    return code;
+  }
+
+  // Calls f(Q, chunk pointers..., k) for each quad of the group's first `count` codes
+  // (rounded up to a quad), chunk by chunk.
+  template <int NT, typename Fn>
+  static CIM_INLINE void for_each_quad(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t count,
+                                       Fn&& f) {
+    const int64_t per_chunk = chunk_codes(w.group_size);
+    const int64_t bytes = chunk_bytes(kBits, w.group_size);
+    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
+    for (int64_t ch = 0; ch * per_chunk < count; ++ch) {
+      static_for<8>([&](auto qc) {
+        constexpr int Q = decltype(qc)::value;
+        const int64_t j = ch * per_chunk + 4 * Q;  // offset of the quad in the group
+        if (4 * Q >= per_chunk || j >= count) return;
+        I codes[NT * kVecs];
+        for (int x = 0; x < NT * kVecs; ++x) codes[x] = quad<Q>(blk[x / kVecs] + ch * bytes, high, x % kVecs);
+        f(codes, j);
+      });
+    }
+  }
+
+  // fp32 mode: the group's codes k0 .. k0 + valid - 1 into the group sums t.
+  template <int NT, int R>
+  static CIM_INLINE void fp32_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
+                                    const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
+    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j) {
+      // XOR o turns each code c into the kBits-bit two's complement of c - o.
+      for (int x = 0; x < NT * kVecs; ++x) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
+      switch (valid - j) {  // the tail of K: A has no values past it
+        case 1: fp32_quad<NT, R, 1>(codes, a, k0 + j, t); break;
+        case 2: fp32_quad<NT, R, 2>(codes, a, k0 + j, t); break;
+        case 3: fp32_quad<NT, R, 3>(codes, a, k0 + j, t); break;
+        default: fp32_quad<NT, R, 4>(codes, a, k0 + j, t); break;
+      }
+    });
+  }
+
+  // The first J codes of a quad (k = k .. k + J - 1): byte B shifted to the top of the
+  // lane, an arithmetic shift down sign-extends it to c - o, convert (all exact).
+  template <int NT, int R, int J>
+  static CIM_INLINE void fp32_quad(const I (&codes)[NT * kVecs], const float* const (&a)[R], int64_t k,
+                                   F (&t)[R][NT * kVecs]) {
+    static_for<J>([&](auto bc) {
+      constexpr int B = decltype(bc)::value;
+      constexpr int up = 32 - 8 * B - kBits;
+      F wv[NT * kVecs];
+      for (int x = 0; x < NT * kVecs; ++x) {
+        I c = codes[x];
+        if constexpr (up > 0) c = S::template shl32<up>(c);
+        wv[x] = S::cvt(S::template sar32<32 - kBits>(c));
+      }
+      for (int r = 0; r < R; ++r) {
+        const F av = S::set1(a[r][k + B]);
+        for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
+      }
+    });
+  }
+
+  // int8 mode: the whole group (codes past K are o and A's int8 copy is 0 there) into d.
+  template <int NT, int R>
+  static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
+                                    const int8_t* const (&q)[R], int64_t k0, I (&d)[R][NT * kVecs]) {
+    for_each_quad<NT>(w, blk, w.group_size, [&](I (&codes)[NT * kVecs], int64_t j) {
+      for (int r = 0; r < R; ++r) {
+        const I qv = S::set1_i32(load_i32(q[r] + k0 + j));
+        for (int x = 0; x < NT * kVecs; ++x) {
+          if constexpr (kBits == 8) {
+            d[r][x] = S::dot4_u8(d[r][x], codes[x], qv);
+          } else {
+            d[r][x] = S::dot4(d[r][x], codes[x], qv);
+          }
+        }
+      }
+    });
+  }
+};
+
+}  // namespace
+}  // namespace cim
