@@ -12,6 +12,7 @@ from cim_int4.exporter import (
     pack,
     quantize,
 )
+from cim_int4.exporter.scale_rules import BALANCE
 from cim_int4.ops import reference
 
 ORACLE_DIVISORS = (6.5, 7.0, 7.25, 7.5, 7.75, 8.0, 8.25, 8.5, 8.75, 9.0, 9.5, 10.5)
@@ -107,7 +108,7 @@ def test_mse_rule_is_the_best_documented_candidate(rng: np.random.Generator) -> 
 
 
 def test_balanced_rule_beats_every_candidate_on_its_objective(rng: np.random.Generator) -> None:
-    balance = 0.03
+    balance = BALANCE
     w = random_groups(rng, k=256, n=16)
     _, scales = quantize(w, 32, "balanced")
     carry = 0.0

@@ -30,17 +30,25 @@ SIDE_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "s
               "chat_template.jinja", "tokenizer.model")  # fmt: skip
 
 
-def calibration_windows(folder: Path, text: Path, count: int, window: int = 512) -> list[dict[str, np.ndarray]]:
-    """``count`` feed dicts of one ``window``-token window each, from ``text``, empty past key/values."""
+def calibration_windows(
+    folder: Path, text: Path, count: int, window: int = 512, bos: int | None = None
+) -> list[dict[str, np.ndarray]]:
+    """``count`` feed dicts of one ``window``-token window each, from ``text``, empty past key/values.
+
+    ``bos``: a token id every window starts with although the tokenizer adds none (Gemma 3: 2).
+    """
     import onnx
     import onnxruntime_genai as og
 
     config = json.loads((folder / "genai_config.json").read_text())["model"]
     decoder = config["decoder"]
     tok = og.Tokenizer(og.Config(str(folder)))
-    bos = config.get("bos_token_id")
     probe = [int(t) for t in tok.encode("a")]
-    adds_bos = isinstance(bos, int) and len(probe) > 1 and probe[0] == bos
+    if bos is None:
+        bos = config.get("bos_token_id")
+        adds_bos = isinstance(bos, int) and len(probe) > 1 and probe[0] == bos
+    else:
+        adds_bos = True
     ids = [int(t) for t in tok.encode(text.read_text(encoding="utf-8"))]
     if adds_bos and ids and ids[0] == bos:
         ids = ids[1:]

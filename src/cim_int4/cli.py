@@ -283,7 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("genai", help="make a copy of an onnxruntime-genai model folder that runs CimInt4MatMul")
     p.add_argument("folder", help="genai model folder with genai_config.json (read, never modified)")
     p.add_argument("-o", "--output", default=None, help="new folder to write (default: FOLDER-cim-int4)")
-    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    p.add_argument(
+        "--compute",
+        choices=COMPUTE_CHOICES,
+        default="auto",
+        help=compute_help + "; a model exported from FP32: int8 (as MatMulNBits accuracy_level 4)",
+    )
     group_help = "group size when the folder's model is FP32 and gets exported"
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
     p.add_argument(

@@ -440,6 +440,7 @@ def perplexity(
     rows = [s.row(ref_ppl) for s in scores]
     for s, r in zip(scores, rows, strict=True):
         r["window_nll_std"] = float(np.std(s.window_nll))
+        r["window_nll"] = [float(v) for v in s.window_nll]  # paired across models: for bootstrap spreads
     settings = {
         "text": str(text_path),
         "text_tokens": len(tokens),
