@@ -5,7 +5,7 @@ Three steps, each reusing what exists under ROOT (default /work/real):
 1. Models and text (a heavy virtualenv with torch; never the project's, never CI):
 
        python3 -m venv VENV && VENV/bin/pip install torch (the CPU wheel) transformers accelerate gguf \\
-           onnx "onnxruntime==1.32.*" onnxruntime-genai sentencepiece tokenizers
+           onnx onnx-ir "onnxruntime==1.32.*" onnxruntime-genai sentencepiece tokenizers
        VENV/bin/python tools/real_llm_models.py gemma3 --root ROOT     # and smollm2
        python3 tools/real_llm_text.py ROOT/text
 
