@@ -148,12 +148,14 @@ def collect(
     held: Sequence[Part] = (),
     outputs: Sequence[str] = (),
     keep: Callable[[int, list[np.ndarray]], None] | None = None,
+    constants: Feeds | None = None,
 ) -> tuple[Calibration, Calibration | None]:
     """Stats of every float32 tensor in ``tensors`` (name -> K, outputs of ``session``'s model; see ``expose``).
 
     One ORT run per batch; each batch's activations are folded in and dropped before the next.
     Rows in ``held`` go to the second Calibration (None without ``held``), the others to the first.
-    ``outputs`` are fetched in the same run and handed to ``keep(batch index, values)``.
+    ``outputs`` are fetched in the same run and handed to ``keep(batch index, values)``;
+    ``constants`` are fed to every run beside each batch (a probe's weights).
     """
     names = list(tensors)
 
@@ -163,7 +165,7 @@ def collect(
     fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
     for b, batch in enumerate(batches):
-        values = session.run([*outputs, *names], {k: v for k, v in batch.items() if k in known})
+        values = session.run([*outputs, *names], {**{k: v for k, v in batch.items() if k in known}, **(constants or {})})
         if keep is not None:
             keep(b, values[: len(outputs)])
         values = values[len(outputs) :]

@@ -39,6 +39,7 @@ class Table:
     sources: list[str]
     bytes_before: int
     quantized: QuantizedWeight | None = None
+    given: QuantizedWeight | None = None  # its tied head's codes from a calibrated method (GPTQ), used as its own
     packed_name: str = ""
     scales_name: str = ""
 
@@ -118,7 +119,7 @@ class Tables:
     def quantize(self, table: Table) -> QuantizedWeight:
         """``table``'s int4 form, made (and its two initializers written) on first use."""
         if table.quantized is None:
-            qw = quantize_weight(table.value.T, self.options.group_size, self.options.scale_rule)
+            qw = table.given or quantize_weight(table.value.T, self.options.group_size, self.options.scale_rule)
             table.quantized = qw
             table.packed_name = self.fresh(f"{table.name}/int4_packed")
             table.scales_name = self.fresh(f"{table.name}/int4_scales")

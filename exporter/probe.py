@@ -44,14 +44,14 @@ class Candidate:
 
 
 class ProbeRewriter(Rewriter):
-    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph initializer per node."""
+    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph input per node."""
 
     quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
 
     def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
         super().__init__(model, options)
         self.candidates: list[Candidate] = []
-        self.probe_weights: list[onnx.TensorProto] = []
+        self.probe_weights: list[onnx.ValueInfoProto] = []
 
     def core(
         self,
@@ -64,7 +64,7 @@ class ProbeRewriter(Rewriter):
         table: object = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
-        self.probe_weights.append(numpy_helper.from_array(plan.w, w_name))
+        self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(plan.w.shape)))
         self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
         if plan.bias is None:
             return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
@@ -78,18 +78,16 @@ class ProbeRewriter(Rewriter):
 
 
 def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
-    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
+    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W a graph input, and the nodes.
 
     Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
     feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
+    The weights are inputs, not initializers: every run feeds them (``Candidate.w`` for FP32),
+    so the session holds no copy of them (ORT reads the fed arrays in place).
     """
     out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options))
     assert isinstance(rewriter, ProbeRewriter)
-    graph = out.graph
-    graph.initializer.extend(rewriter.probe_weights)
-    graph.input.extend(
-        helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims)) for t in rewriter.probe_weights
-    )
+    out.graph.input.extend(rewriter.probe_weights)
     return out, rewriter.candidates
 
 
@@ -121,7 +119,7 @@ class Probe:
         if calibrate:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
-        quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
+        quiet.log_severity_level = 3
         self.session = proto_session(probe, quiet) if self.candidates else None
         del probe
         self.batches = list(batches)
@@ -130,10 +128,15 @@ class Probe:
         self._compact = False
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
+    @property
+    def fp32(self) -> dict[str, np.ndarray]:
+        """The FP32 weight of every candidate, by its probe input name (what a run feeds by default)."""
+        return {c.weight_name: c.w for c in self.candidates}
+
     def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         assert self.session is not None
         self.runs += 1
-        return self.session.run(self.outputs, {**batch, **(weights or {})})
+        return self.session.run(self.outputs, {**batch, **self.fp32, **(weights or {})})
 
     def cosines(
         self, layers: Sequence[int], weights: Mapping[str, QuantizedWeight], parts: Sequence[Part] | None = None
@@ -176,7 +179,7 @@ class Probe:
         assert self.session is not None
         tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates if c.key in self.measured}
         self.runs += len(self.batches)
-        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
+        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep, self.fp32)
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""

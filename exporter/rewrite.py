@@ -149,6 +149,8 @@ class Rewriter:
         initializers: list[onnx.TensorProto] = []
         # Tables first, so that a tied LM head finds its embedding wherever the two nodes sit.
         gathers = self.plan_tables(graph, scope, path) if self.quantize_tables else {}
+        if gathers and self.quantized:
+            self.give_tied_heads(graph, scope, path)
         for index, node in enumerate(graph.node):
             label = node_label(node, index)
             for attr_label, body in subgraphs(node):
@@ -168,10 +170,7 @@ class Rewriter:
                 pattern = _excluded(node.name, self.patterns)
                 if pattern is not None:
                     raise Ineligible(f"excluded by pattern {pattern!r}")
-                if node.op_type == "MatMul":
-                    plan = plan_matmul(node, scope, lambda x: self.rank_of(x, scope))
-                else:
-                    plan = plan_gemm(node, scope)
+                plan = self.plan(node, scope)
                 k, n = plan.w.shape
                 if k < self.group_size:
                     raise Ineligible(f"K={k} is smaller than group_size={self.group_size}")
@@ -203,6 +202,32 @@ class Rewriter:
             for offset, extra in enumerate(rest, 1):
                 graph.node.insert(index + offset, extra)
         graph.initializer.extend(initializers)
+
+    def plan(self, node: onnx.NodeProto, scope: Scope) -> Plan:
+        """The Plan of a MatMul/Gemm ``node``; Ineligible says why there is none."""
+        if node.op_type == "MatMul":
+            return plan_matmul(node, scope, lambda x: self.rank_of(x, scope))
+        return plan_gemm(node, scope)
+
+    def give_tied_heads(self, graph: onnx.GraphProto, scope: Scope, path: str) -> None:
+        """Hand each table the weights already quantized for its tied LM head (GPTQ's, error-compensated).
+
+        The head is the layer those codes were fitted for; the table then shares them, as it
+        shares its own round-to-nearest codes with the head without calibration.
+        """
+        shapes = {t.value.shape for t in self.tables.tables}
+        for index, node in enumerate(graph.node):
+            key = f"{path}{node_label(node, index)}"
+            qw = None if key in self.keep else self.quantized.get(key)
+            if qw is None or (qw.n, qw.k) not in shapes or node.op_type not in ("MatMul", "Gemm"):
+                continue
+            try:
+                plan = self.plan(node, scope)
+            except Ineligible:
+                continue
+            table = self.tables.tied(plan.w)
+            if table is not None and table.quantized is None:
+                table.given = qw
 
     def plan_tables(self, graph: onnx.GraphProto, scope: Scope, path: str) -> dict[int, Table]:
         """The Gathers of ``graph`` on a constant table that become CimInt4Gather (by node index); others skipped."""

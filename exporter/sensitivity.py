@@ -18,8 +18,8 @@ Before step 2, ``exporter.methods.calibrate`` quantizes every layer: with scale 
 method ``auto`` it runs the model with every layer INT4 under each (method, rule) pair and
 keeps the pair with the better *mean* cosine over the calibration rows (the worst row of a
 small batch is too noisy to choose by); GPTQ and AWQ first gather each layer's input
-statistics (``exporter.calibration``). ``target_cosine=0`` stops after one run with every
-layer INT4: no layer is kept FP32 and no per-layer run is made.
+statistics (``exporter.calibration``). ``target_cosine=0`` keeps no layer FP32 and makes no
+probe run with INT4 weights: the exported model's check (below) is the every-layer-INT4 cosine.
 
 The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterable of dicts):
 every run goes over all of them, and cosines are taken per row of each.
@@ -103,9 +103,9 @@ def _plan(
         report.runs = probe.runs + chosen.other_runs
 
     if target_cosine == 0.0:
-        if 0 not in cosine_at:
-            cosine_at[0] = run(everyone)
-        report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
+        # Unless the method choice measured it, the exported model's check gives this cosine
+        # (export_mixed): no probe run feeding every dequantized weight (a second FP32-sized copy).
+        report.cosine_all_int4 = report.cosine_probe = cosine_at.get(0)
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
         finish()
         return chosen.model, {}, quantized, report, probe
@@ -158,8 +158,12 @@ def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.M
     if summary.rewritten:
         int4 = proto_session(out, session_options(pin=False))
         # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
+        before = probe.runs
         cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+        report.runs += probe.runs - before
         report.cosine_exported = worst(np.concatenate(cos))
+        if report.cosine_probe is None:  # target 0: the exported model is the every-layer-INT4 model
+            report.cosine_all_int4 = report.cosine_probe = report.cosine_exported
     return out, summary
 
 

@@ -101,7 +101,7 @@ def test_calibration_pass_gathers_each_layer_inputs_statistics() -> None:
     batches = [{"x": rng.standard_normal((m, 64)).astype(np.float32)} for m in (5, 7, 3)]
     probe = Probe(model, ExportOptions(), batches, calibrate=True)
     ((key, x),) = probe.inputs.items()
-    fit, held = collect(probe.session, {x: 64}, batches, split(batches))
+    fit, held = collect(probe.session, {x: 64}, batches, split(batches), constants=probe.fp32)
     rows = np.concatenate([b["x"] for b in batches])
     total = fit.stats[x] + held.stats[x]
     assert fit.runs == 3 and total.rows == 15 and fit.stats[x].rows == 8  # batches 0 and 2 fitted, 1 held out
@@ -109,7 +109,7 @@ def test_calibration_pass_gathers_each_layer_inputs_statistics() -> None:
     assert np.allclose(total.mean_abs, np.abs(rows).mean(axis=0), rtol=1e-6)
     assert fit.state_bytes == 64 * 64 * 4 + 64 * 8
     # One batch: its odd rows are held out.
-    one, other = collect(probe.session, {x: 64}, batches[:1], split(batches[:1]))
+    one, other = collect(probe.session, {x: 64}, batches[:1], split(batches[:1]), constants=probe.fp32)
     assert one.stats[x].rows == 3 and other.stats[x].rows == 2
     assert np.allclose(one.stats[x].xtx, batches[0]["x"][0::2].T @ batches[0]["x"][0::2], rtol=1e-5, atol=1e-4)
 
@@ -141,7 +141,7 @@ def test_awq_search_never_does_worse_than_plain_rounding_on_its_statistics() -> 
     batches = [{"x": outlier_rows(rng, 256, 256)}]
     probe = Probe(model, ExportOptions(), batches, calibrate=True)
     ((key, x),) = probe.inputs.items()
-    stats = collect(probe.session, {x: 256}, batches)[0].stats[x]
+    stats = collect(probe.session, {x: 256}, batches, constants=probe.fp32)[0].stats[x]
     s, loss, plain = search([probe.candidates[0].w], stats, 32, "mse")
     assert loss < 0.9 * plain and s.shape == (256,) and np.all(s > 0)
 
