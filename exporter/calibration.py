@@ -165,7 +165,8 @@ def collect(
     fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
     for b, batch in enumerate(batches):
-        values = session.run([*outputs, *names], {**{k: v for k, v in batch.items() if k in known}, **(constants or {})})
+        feeds = {k: v for k, v in batch.items() if k in known}
+        values = session.run([*outputs, *names], {**feeds, **(constants or {})})
         if keep is not None:
             keep(b, values[: len(outputs)])
         values = values[len(outputs) :]

@@ -41,9 +41,8 @@ def _tokenize(args: argparse.Namespace) -> None:
 def _surgery(model, expose_inputs: bool):  # noqa: ANN001, ANN202
     """(weights name -> array, layer input per weight, embedding weight name or None); ``model`` changed in place."""
     import onnx
-    from onnx import helper, numpy_helper
-
     from cim_int4.exporter.calibration import expose
+    from onnx import helper, numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
     layers: dict[str, str] = {}
@@ -143,6 +142,7 @@ def _quantize(v: dict, weights: dict, layers: dict, embed: str | None, stats: di
 def _sweep(args: argparse.Namespace) -> None:
     from cim_int4.exporter.calibration import collect
     from cim_int4.ops.reference import dequantize
+
     from cim_int4.perplexity import score_window
 
     folder = Path(args.folder)
