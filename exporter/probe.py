@@ -9,6 +9,7 @@ calibration pass (``exporter.calibration``).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -91,6 +92,14 @@ def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.Mo
     return out, rewriter.candidates
 
 
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after a big model copy is dropped); no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _compact(x: np.ndarray) -> np.ndarray:
     """A float32 output as float16 when that keeps it finite (a cosine near 1 moves by ~1e-7), else as it is."""
     if x.dtype != np.float32 or x.size == 0 or not np.all(np.abs(x) < 6e4):
@@ -120,8 +129,11 @@ class Probe:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3
+        # No arena: it would keep the largest run's activations (an LLM's attention and logits) for good.
+        quiet.enable_cpu_mem_arena = False
         self.session = proto_session(probe, quiet) if self.candidates else None
         del probe
+        release_memory()
         self.batches = list(batches)
         self.runs = 0
         self._reference: dict[int, list[np.ndarray]] | None = None

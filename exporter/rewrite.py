@@ -355,11 +355,17 @@ class Rewriter:
 
 
 def run_rewrite(
-    model: onnx.ModelProto, options: ExportOptions, make: Callable[[onnx.ModelProto], Rewriter]
+    model: onnx.ModelProto,
+    options: ExportOptions,
+    make: Callable[[onnx.ModelProto], Rewriter],
+    in_place: bool = False,
 ) -> tuple[onnx.ModelProto, Rewriter]:
-    """Rewrite a copy of ``model`` with the Rewriter ``make(copy)`` returns; the copy and the rewriter."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    """Rewrite a copy of ``model`` (``model`` itself if ``in_place``) with the Rewriter ``make(copy)``; both."""
+    if in_place:
+        out = model
+    else:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     dropped = drop_stray_imports(out)
     rewriter = make(out)
     summary = rewriter.summary
@@ -388,8 +394,11 @@ def rewrite_model(
     keep: Mapping[str, str] | None = None,
     quantized: Mapping[str, QuantizedWeight] | None = None,
     tensors: TensorIO | None = None,
+    in_place: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
+
+    ``in_place``: rewrite ``model`` itself (no copy of its weights; the caller is done with it).
 
     ``keep`` maps node keys (subgraph path + label, as in the summary) to leave in FP32 to the
     reason the summary gives; ``quantized`` holds weights already quantized (by key) with the same options.
@@ -397,5 +406,5 @@ def rewrite_model(
     is made (the exporter streams them to the output file); by default everything is inline.
     """
     options = options or ExportOptions()
-    out, rewriter = run_rewrite(model, options, lambda m: Rewriter(m, options, keep, quantized, tensors))
+    out, rewriter = run_rewrite(model, options, lambda m: Rewriter(m, options, keep, quantized, tensors), in_place)
     return out, rewriter.summary

@@ -43,7 +43,7 @@ from ..ops.session import session_options
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import Probe
+from .probe import Probe, release_memory
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
@@ -142,14 +142,20 @@ def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
     return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
-def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, ExportSummary]:
-    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
+def export_mixed(
+    model: onnx.ModelProto, options: ExportOptions, owned: bool = False
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds.
+
+    ``owned``: the caller is done with ``model``, which is then rewritten in place (no second copy of its weights).
+    """
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
     chosen, keep, quantized, report, probe = _plan(model, batches, options)
-    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
-    del chosen
+    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, in_place=owned or chosen is not model)
+    del chosen, model
+    release_memory()
     summary.mixed_precision = report
     if report.rule_choice is not None:
         summary.scale_rule = f"auto: {report.rule_choice.chosen}"

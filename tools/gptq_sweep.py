@@ -38,8 +38,12 @@ def _tokenize(args: argparse.Namespace) -> None:
     print(f"{args.out}: {len(ids)} tokens, first {ids[:3].tolist()}")
 
 
-def _surgery(model, expose_inputs: bool):  # noqa: ANN001, ANN202
-    """(weights name -> array, layer input per weight, embedding weight name or None); ``model`` changed in place."""
+def _surgery(model, expose_inputs: bool, untie: bool):  # noqa: ANN001, ANN202
+    """(weights name -> array, layer input per weight, embedding weight name or None); ``model`` changed in place.
+
+    The weights become graph inputs without initializers (every run feeds them; the session holds no copy).
+    ``untie``: the tied embedding reads its own input (else the head's, so it always gets the head's codes).
+    """
     import onnx
     from cim_int4.exporter.calibration import expose
     from onnx import helper, numpy_helper
@@ -52,11 +56,13 @@ def _surgery(model, expose_inputs: bool):  # noqa: ANN001, ANN202
     weights = {name: numpy_helper.to_array(inits[name]) for name in layers}
     embed = None
     for n in model.graph.node:  # the tied table: Gather(Transpose(head weight)) in the genai builder's export
-        if n.op_type == "Transpose" and n.input[0] in layers:
+        if untie and n.op_type == "Transpose" and n.input[0] in layers:
             embed = "cim.sweep.embedding"
             weights[embed] = weights[n.input[0]]
-            model.graph.initializer.append(numpy_helper.from_array(weights[embed], embed))
             n.input[0] = embed
+    kept = [t for t in model.graph.initializer if t.name not in weights]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     model.graph.input.extend(
         helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(w.shape)) for name, w in weights.items()
     )
@@ -65,13 +71,13 @@ def _surgery(model, expose_inputs: bool):  # noqa: ANN001, ANN202
     return weights, layers, embed
 
 
-def _session(folder: Path, expose_inputs: bool):  # noqa: ANN202
+def _session(folder: Path, expose_inputs: bool, untie: bool):  # noqa: ANN202
     import onnx
     import onnxruntime as ort
 
     config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     model = onnx.load(folder / config["filename"])
-    weights, layers, embed = _surgery(model, expose_inputs)
+    weights, layers, embed = _surgery(model, expose_inputs, untie)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.enable_cpu_mem_arena = False
@@ -146,7 +152,9 @@ def _sweep(args: argparse.Namespace) -> None:
     from cim_int4.perplexity import score_window
 
     folder = Path(args.folder)
-    session, weights, layers, embed, feeds = _session(folder, expose_inputs=True)
+    variants = [_variant(s) for s in args.variants]
+    untie = any(v["tie"] != "shared" for v in variants)
+    session, weights, layers, embed, feeds = _session(folder, expose_inputs=True, untie=untie)
     cache = Path(args.stats) if args.stats else None
     if cache is not None and cache.exists():
         data = np.load(cache)
@@ -157,12 +165,11 @@ def _sweep(args: argparse.Namespace) -> None:
         batches = [feeds(_window(calib, i, args.bos)) for i in range(args.windows)]
         ks = {x: weights[w].shape[0] for w, x in layers.items()}
         t0 = time.perf_counter()
-        cal, _ = collect(session, ks, batches)
+        cal, _ = collect(session, ks, batches, constants=weights)
         stats = {x: s.xtx for x, s in cal.stats.items()}
         print(f"calibration: {args.windows} windows in {time.perf_counter() - t0:.0f} s", flush=True)
         if cache is not None:
             np.savez(cache, **stats)
-    variants = [_variant(s) for s in args.variants]
     quantized = {}
     for v in variants:
         t0 = time.perf_counter()
@@ -175,14 +182,14 @@ def _sweep(args: argparse.Namespace) -> None:
     for i in range(args.eval_windows):
         ids = _window(evals, i, args.bos)
         targets = ids[1:]
-        ref = session.run(["logits"], feeds(ids))[0][0, :-1]
+        ref = session.run(["logits"], {**feeds(ids), **weights})[0][0, :-1]
         nll, _, _ = score_window(ref, None, targets)
         r = rows["fp32"]
         r["nll"].append(nll), r["kl"].append(0.0), r["agree"].append(len(targets)), r["tokens"].append(len(targets))
         for v in variants:
             q = quantized[v["spec"]]
             int4 = {n: dequantize(qw.packed, qw.scales, qw.k, qw.group_size) for n, qw in q.items()}
-            out = session.run(["logits"], {**feeds(ids), **int4})[0][0, :-1]
+            out = session.run(["logits"], {**feeds(ids), **weights, **int4})[0][0, :-1]
             del int4
             nll, kl, agree = score_window(ref, out, targets)
             r = rows[v["spec"]]
