@@ -135,7 +135,7 @@ def export_int4(
 
     What to do is an ExportOptions: ``options``, with any of its fields given by name as
     keywords (``export_int4(path, out, group_size=64, compute="int8")``; see ExportOptions for
-    each). From a path (without ``simplify`` or ``feeds``), weights are read one at a time and
+    each). From a path (without ``simplify``, or AWQ with ``feeds``), weights are read one at a time and
     the output is written as it goes, so memory stays well under the model's size. The output
     keeps its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``:
     a session loaded from it then holds 2x the int4 weights instead of 3x (docs/design.md,
@@ -218,7 +218,7 @@ def _export(
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
-        quantized, summary = export_mixed(model, options, owned=owned)
+        quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
     if note:
         summary.warnings.insert(0, note)
     # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.

@@ -88,8 +88,12 @@ class ExportOptions:
 
     @property
     def whole_model(self) -> bool:
-        """Whether the export needs every weight in memory (onnxsim and the sensitivity analysis do)."""
-        return self.simplify or self.feeds is not None
+        """Whether the export needs every weight in memory (onnxsim does; AWQ rewrites initializers in place).
+
+        Other exports with feeds read each weight from the input file once, into the probe (exporter.probe).
+        """
+        awq = self.method in ("awq", "awq+gptq", "auto")
+        return self.simplify or (self.feeds is not None and awq)
 
     def with_(self, **changes: Any) -> ExportOptions:
         """A copy with ``changes`` (field names); TypeError names an unknown one."""

@@ -22,6 +22,7 @@ from ..metrics import row_cosines
 from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
+from .io import TensorStore
 from .operands import Plan
 from .options import ExportOptions
 from .quantize import QuantizedWeight
@@ -49,8 +50,8 @@ class ProbeRewriter(Rewriter):
 
     quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
 
-    def __init__(self, model: onnx.ModelProto, options: ExportOptions) -> None:
-        super().__init__(model, options)
+    def __init__(self, model: onnx.ModelProto, options: ExportOptions, tensors: TensorStore | None = None) -> None:
+        super().__init__(model, options, tensors=tensors)
         self.candidates: list[Candidate] = []
         self.probe_weights: list[onnx.ValueInfoProto] = []
 
@@ -78,17 +79,23 @@ class ProbeRewriter(Rewriter):
         ], None
 
 
-def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
+def probe_model(
+    model: onnx.ModelProto, options: ExportOptions, tensors: TensorStore | None = None
+) -> tuple[onnx.ModelProto, list[Candidate]]:
     """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W a graph input, and the nodes.
 
     Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
     feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
     The weights are inputs, not initializers: every run feeds them (``Candidate.w`` for FP32),
-    so the session holds no copy of them (ORT reads the fed arrays in place).
+    so the session holds no copy of them (ORT reads the fed arrays in place). With ``tensors``
+    (``model``'s weights in their files) each is read from there once; the copy's other
+    tensors are read back into it.
     """
-    out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options))
+    out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options, tensors))
     assert isinstance(rewriter, ProbeRewriter)
     out.graph.input.extend(rewriter.probe_weights)
+    if tensors is not None:
+        tensors.inline(out)
     return out, rewriter.candidates
 
 
@@ -111,9 +118,14 @@ class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
 
     def __init__(
-        self, model: onnx.ModelProto, options: ExportOptions, batches: Sequence[Feeds], calibrate: bool = False
+        self,
+        model: onnx.ModelProto,
+        options: ExportOptions,
+        batches: Sequence[Feeds],
+        calibrate: bool = False,
+        tensors: TensorStore | None = None,
     ) -> None:
-        probe, self.candidates = probe_model(model, options)
+        probe, self.candidates = probe_model(model, options, tensors)
         self.outputs = [o.name for o in probe.graph.output]
         readers = {
             n.input[1]: (n.input[0], g is probe.graph)
@@ -137,6 +149,7 @@ class Probe:
         self.batches = list(batches)
         self.runs = 0
         self._reference: dict[int, list[np.ndarray]] | None = None
+        self.keep_reference = True  # False: FP32 outputs are run again when asked for (when used once)
         self._compact = False
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
@@ -177,6 +190,8 @@ class Probe:
         return outs
 
     def _keep(self, index: int, outs: list[np.ndarray]) -> None:
+        if not self.keep_reference:
+            return
         if self._reference is None:
             # As they are when all fit, else as float16 (an LLM's logits) when that fits, else not kept.
             size = sum(o.nbytes for o in outs) * len(self.batches)
@@ -187,11 +202,15 @@ class Probe:
             self._reference[index] = [_compact(o) for o in outs] if self._compact else outs
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
-        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs are kept too."""
+        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs kept too, if asked."""
         assert self.session is not None
         tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates if c.key in self.measured}
         self.runs += len(self.batches)
-        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep, self.fp32)
+        # Not kept: not fetched either (an LLM's logits and KV cache would be made and dropped every run).
+        outputs = self.outputs if self.keep_reference else []
+        found = collect(self.session, tensors, self.batches, held, outputs, self._keep, self.fp32)
+        release_memory()
+        return found
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""

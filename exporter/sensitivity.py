@@ -41,6 +41,7 @@ from ..metrics import row_cosines, worst
 from ..ops.ort_model import proto_session
 from ..ops.session import session_options
 from .calibration import feed_batches
+from .io import TensorStore
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
 from .probe import Probe, release_memory
@@ -74,14 +75,14 @@ def plan(
 
 
 def _plan(
-    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions, tensors: TensorStore | None = None
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision, Probe]:
     """``plan``, and the probe it ran (its FP32 outputs serve the exported model's check)."""
     target_cosine = options.target_cosine
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
-    chosen = calibrate(model, batches, options)
+    chosen = calibrate(model, batches, options, tensors)
     probe, candidates, quantized = chosen.probe, chosen.probe.candidates, chosen.quantized
     report = MixedPrecision(target_cosine=target_cosine, rule_choice=chosen.choice, awq_inputs=chosen.awq_inputs)
     report.method = options.method
@@ -143,17 +144,20 @@ def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
 
 
 def export_mixed(
-    model: onnx.ModelProto, options: ExportOptions, owned: bool = False
+    model: onnx.ModelProto, options: ExportOptions, owned: bool = False, tensors: TensorStore | None = None
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds.
 
     ``owned``: the caller is done with ``model``, which is then rewritten in place (no second copy of its weights).
+    ``tensors``: ``model``'s weights stay in their files, read from there (and the output's written) as in
+    ``rewrite_model``; the probe then holds the only copy of them in memory.
     """
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
-    chosen, keep, quantized, report, probe = _plan(model, batches, options)
-    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, in_place=owned or chosen is not model)
+    chosen, keep, quantized, report, probe = _plan(model, batches, options, tensors)
+    in_place = owned or chosen is not model
+    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)
     del chosen, model
     release_memory()
     summary.mixed_precision = report
@@ -162,7 +166,13 @@ def export_mixed(
     elif options.method != "rtn" or options.scale_rule == "auto":
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        int4 = proto_session(out, session_options(pin=False))
+        check = out
+        if tensors is not None:  # a copy with its tensors read back (the int4 ones from the output's data file)
+            check = onnx.ModelProto()
+            check.CopyFrom(out)
+            tensors.inline(check)
+        int4 = proto_session(check, session_options(pin=False))
+        del check
         # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
         before = probe.runs
         cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]

@@ -121,13 +121,15 @@ def _variant(spec: str) -> dict:
     return v
 
 
-def _quantize(v: dict, weights: dict, layers: dict, embed: str | None, stats: dict) -> dict:
+def _quantize(v: dict, weights: dict, layers: dict, embed: str | None, stats: dict, like: dict | None) -> dict:
     from cim_int4.exporter.gptq import factor, gptq_quantize
     from cim_int4.exporter.quantize import quantize_weight
 
-    out = {}
+    out = {n: like[n] for n in layers} if like is not None else {}
     factors: dict = {}
     for name, x in layers.items():
+        if name in out:
+            continue
         w = weights[name]
         if v["method"] == "gptq":
             if x not in factors:
@@ -170,10 +172,13 @@ def _sweep(args: argparse.Namespace) -> None:
         print(f"calibration: {args.windows} windows in {time.perf_counter() - t0:.0f} s", flush=True)
         if cache is not None:
             np.savez(cache, **stats)
-    quantized = {}
+    quantized: dict[str, dict] = {}
+    done: dict[tuple, dict] = {}  # variants differing only in ``tie`` share the layers' codes
     for v in variants:
         t0 = time.perf_counter()
-        quantized[v["spec"]] = _quantize(v, weights, layers, embed, stats)
+        same = tuple(v[k] for k in ("method", "rule", "group", "damp", "act", "block"))
+        quantized[v["spec"]] = _quantize(v, weights, layers, embed, stats, done.get(same))
+        done.setdefault(same, quantized[v["spec"]])
         v["quantize_seconds"] = time.perf_counter() - t0
         print(f"{v['spec']}: quantized in {v['quantize_seconds']:.0f} s", flush=True)
     del stats
