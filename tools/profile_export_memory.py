@@ -76,6 +76,7 @@ def main() -> None:
     args = p.parse_args()
 
     import cim_int4.exporter.api as api
+    import cim_int4.exporter.io as io
     import cim_int4.exporter.methods as methods
     import cim_int4.exporter.probe as probe
     import cim_int4.exporter.sensitivity as sensitivity
@@ -91,6 +92,8 @@ def main() -> None:
     _wrap(sensitivity, "rewrite_model", "rewrite", sampler, log)
     _wrap(sensitivity, "proto_session", "exported model's session", sampler, log)
     _wrap(api, "_commit", "write", sampler, log)
+    _wrap(io.OutputFiles, "commit", "write (streamed)", sampler, log)
+    _wrap(probe.Probe, "reference", "FP32 reference run", sampler, log)
     _wrap(api, "read_model", "read", sampler, log)
 
     folder = Path(args.folder)
@@ -109,9 +112,11 @@ def main() -> None:
     export_int4(folder / config["filename"], args.out, method=args.method, scale_rule=args.rule, feeds=feeds,
                 target_cosine=0.0, external_data=True, quiet=True)  # fmt: skip
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak = usage.ru_maxrss * 1024
     weights = (folder / (config["filename"] + ".data")).stat().st_size
     print(json.dumps({"method": args.method, "rule": args.rule, "windows": args.windows, "seconds": seconds,
+                      "cpu_seconds": usage.ru_utime + usage.ru_stime,
                       "peak_rss": peak, "fp32_bytes": weights, "peak_over_fp32": peak / weights}))  # fmt: skip
 
 
