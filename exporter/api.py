@@ -13,13 +13,14 @@ import onnx
 from onnx import helper
 
 from ..contract import OP_DOMAIN, OP_TYPE
-from . import io
-from .io import ModelFileError, OutputFiles, Progress, TensorStore, read_model
+from . import writer
+from .io import ModelFileError, read_model
 from .options import CALIBRATED, ExportOptions
 from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model
 from .summary import ExportSummary
+from .writer import OutputFiles, Progress, TensorStore
 
 ModelSource = str | os.PathLike | onnx.ModelProto
 
@@ -90,7 +91,7 @@ def check_output_path(source: str | os.PathLike, output: str | os.PathLike) -> N
     with file_errors(source):
         _, input_files = read_model(source)
         out = Path(output)
-        io.check_output(out, out.with_name(f"{out.name}.data"), input_files)
+        writer.check_output(out, out.with_name(f"{out.name}.data"), input_files)
 
 
 def save_model(
@@ -113,8 +114,8 @@ def save_model(
 
 
 def _commit(files: OutputFiles, model: onnx.ModelProto, quiet: bool, external_data: bool, consume: bool) -> None:
-    size = io.model_size(model)
-    if not consume and (external_data or size > io.EXTERNAL_DATA_THRESHOLD):
+    size = writer.model_size(model)
+    if not consume and (external_data or size > writer.EXTERNAL_DATA_THRESHOLD):
         # Tensors move out of the proto that is saved; the caller's model must stay whole.
         copy = onnx.ModelProto()
         copy.CopyFrom(model)

@@ -27,14 +27,13 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from ..contract import (
-    COMPUTE_MODES,
     DEFAULT_COMPUTE,
     GATHER,
     GATHER_OP_TYPE,
@@ -51,15 +50,16 @@ from ..contract import (
 )
 from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
-from .io import ModelFileError, OutputFiles, TensorStore, external_info, read_model, tensor_nbytes, without
+from .io import ModelFileError, external_info, read_model, tensor_nbytes
+from .options import ExportOptions
 from .rewrite import drop_stray_imports
 from .subgraph import all_graphs, drop_unused, used_names
 from .summary import Skipped
+from .writer import OutputFiles, TensorStore, without
 
 NBITS_DOMAIN = "com.microsoft"
 NBITS_OP = "MatMulNBits"
 GATHER_NBITS_OP = "GatherBlockQuantized"
-COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 # MatMulNBits input slots (ORT contrib op schema).
 _A, _B, _SCALES, _ZERO_POINTS, _G_IDX, _BIAS = range(6)
 
@@ -281,8 +281,6 @@ def _convert_in_place(
     those still used are copied; convert_file on a model whose weights stay in their file (read
     one node at a time by ``load``). Either way no whole copy of the weights is held.
     """
-    if compute not in COMPUTE_CHOICES:
-        raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
     try:
         drop_stray_imports(model)  # an import left by ORT's transformers optimizer, with no node
     except ValueError as e:
@@ -327,24 +325,45 @@ def _convert_in_place(
     return summary
 
 
-def convert_with_summary(model: onnx.ModelProto, compute: str = "auto") -> tuple[onnx.ModelProto, ConvertSummary]:
+def conversion_options(options: ExportOptions | None = None, **values: object) -> ExportOptions:
+    """A conversion's options: ``options`` (default ``compute="auto"``) with ``values``; compute and external_data only.
+
+    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or
+    ``"int8"``; ``external_data``: tensors in ``<output>.data`` whatever the size. ValueError
+    names any other option given: a conversion keeps MatMulNBits' own block size and rounding.
+    """
+    options = (options or CONVERT_DEFAULTS).with_(**values)
+    other = [f.name for f in fields(ExportOptions) if f.name not in ("compute", "external_data")
+             and getattr(options, f.name) != getattr(CONVERT_DEFAULTS, f.name)]
+    if other:
+        raise ValueError(f"a MatMulNBits conversion takes only the options compute and external_data, got {other}")
+    return options
+
+
+CONVERT_DEFAULTS = ExportOptions(compute="auto")
+
+
+def convert_with_summary(
+    model: onnx.ModelProto, options: ExportOptions | None = None, **values: object
+) -> tuple[onnx.ModelProto, ConvertSummary]:
     """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
 
-    ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or ``"int8"``.
-    ``model`` is left as it is. Raises NothingToConvert (an ExportError) if no node converts
-    (the message lists why for each).
+    Options (``conversion_options``): ``compute``. ``model`` is left as it is. Raises
+    NothingToConvert (an ExportError) if no node converts (the message lists why for each).
     """
+    options = conversion_options(options, **values)
     out = without(model, ("graph",))
     out.graph.CopyFrom(without(model.graph, ("initializer",)))
-    return out, _convert_in_place(out, compute, initializers_of=model.graph)
+    return out, _convert_in_place(out, options.compute, initializers_of=model.graph)
 
 
-def from_matmulnbits(model: onnx.ModelProto, compute: str = "auto") -> onnx.ModelProto:
+def from_matmulnbits(model: onnx.ModelProto, options: ExportOptions | None = None, **values: object) -> onnx.ModelProto:
     """``model`` with its 4-bit symmetric MatMulNBits nodes as CimInt4MatMul (weights byte-identical).
 
-    Load a model with external data from its file first (``cim_int4.exporter.load_model``).
+    Options as ``convert_with_summary``. Load a model with external data from its file first
+    (``cim_int4.exporter.load_model``).
     """
-    return convert_with_summary(model, compute)[0]
+    return convert_with_summary(model, options, **values)[0]
 
 
 def int4_bytes(path: str | os.PathLike) -> int:
@@ -364,17 +383,18 @@ def int4_bytes(path: str | os.PathLike) -> int:
 def convert_file(
     source: str | os.PathLike,
     output: str | os.PathLike,
+    options: ExportOptions | None = None,
     *,
-    compute: str = "auto",
     quiet: bool = False,
-    external_data: bool = False,
+    **values: object,
 ) -> ConvertSummary:
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
     Reads one node's weights at a time: memory peaks near the int4 weights once (docs/guide.md, "convert").
-
-    ``external_data``: tensors in ``<output>.data`` whatever the size (see ``save_model``).
+    Options (``conversion_options``): ``compute``, ``external_data`` (see ``save_model``).
     """
+    options = conversion_options(options, **values)
+    compute, external_data = options.compute, options.external_data
     try:
         # Weights stay in the input files until written: memory holds the converted weights, not the model.
         model, input_files = read_model(source)

@@ -30,13 +30,13 @@ import onnx
 from . import awq
 from .calibration import Calibration, Feeds, Stats, split
 from .gptq import Factor, factor, gptq_quantize
-from .io import TensorStore
 from .options import CALIBRATED, ExportOptions
 from .probe import Probe
 from .quantize import QuantizedWeight, quantize_weight
 from .rewrite import node_label
 from .scale_rules import AUTO_CHOICES
 from .summary import RuleChoice
+from .writer import TensorStore
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_compute, check_group_size
+from ..contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_group_size
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
 from .quantize import DEFAULT_SCALE_RULE
 from .scale_rules import check_scale_rule
@@ -24,6 +24,10 @@ from .scale_rules import check_scale_rule
 DEFAULT_TARGET_COSINE = 0.99
 
 Feeds = Mapping[str, np.ndarray]
+
+# ``compute``: one mode for every node, or "auto" = each node's own: a converted MatMulNBits
+# node's accuracy level (4 -> int8, else fp32), an exported node the op's default.
+COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 
 # How weights are rounded given calibration inputs (exporter.methods); every method without them is "rtn".
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
@@ -42,7 +46,8 @@ class ExportOptions:
     """Which MatMul/Gemm nodes an export quantizes, how, and how the output is written.
 
     * ``group_size``, ``scale_rule``, ``compute``: the nodes' group size, the rule choosing
-      their scales (exporter.scale_rules) and their ``compute`` attribute.
+      their scales (exporter.scale_rules) and their ``compute`` attribute (one of
+      ``COMPUTE_CHOICES``; ``node_compute`` is what an exported node gets).
     * ``exclude`` (regular expressions over node names) and ``min_size`` (weight elements):
       nodes left FP32.
     * ``fold_input_initializers``: initializers also listed as graph inputs are quantized with
@@ -54,6 +59,8 @@ class ExportOptions:
       weights are rounded given ``feeds`` (exporter.methods, docs/methods.md).
     * ``simplify``: run onnxsim first (extra ``simplify``).
     * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
+      ``compute`` and ``external_data`` are also the options of a MatMulNBits conversion
+      (exporter.convert), which takes no other.
     * ``keep_embedding``: leave every Gather on a constant table (the token embedding) FP32; by
       default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
       (docs/embeddings.md).
@@ -78,13 +85,19 @@ class ExportOptions:
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
         check_scale_rule(self.scale_rule)
-        check_compute(self.compute)
+        if self.compute not in COMPUTE_CHOICES:
+            raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
         check_method(self.method)
         if not (self.gptq_damp > 0 and np.isfinite(self.gptq_damp)):
             raise ValueError(f"gptq_damp must be a positive finite number, got {self.gptq_damp!r}")
         if not (isinstance(self.gptq_block, int) and self.gptq_block > 0):
             raise ValueError(f"gptq_block must be a positive integer, got {self.gptq_block!r}")
         object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    @property
+    def node_compute(self) -> str:
+        """The ``compute`` an exported node gets (``"auto"``: the op's default)."""
+        return DEFAULT_COMPUTE if self.compute == "auto" else self.compute
 
     @property
     def whole_model(self) -> bool:

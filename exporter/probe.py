@@ -22,12 +22,12 @@ from ..metrics import row_cosines
 from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
-from .io import TensorStore
 from .operands import Plan
 from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Rewriter, run_rewrite
 from .subgraph import all_graphs
+from .writer import TensorStore
 
 # Probe weights are named from this prefix.
 PROBE_PREFIX = "cim_int4.probe."

@@ -101,7 +101,7 @@ class Rewriter:
         self.keep = keep or {}
         self.quantized = quantized or {}
         self.opset = _default_opset(model)
-        self.summary = ExportSummary(options.group_size, options.scale_rule, options.compute)
+        self.summary = ExportSummary(options.group_size, options.scale_rule, options.node_compute)
         self.names = defined_names(model.graph)
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
@@ -340,12 +340,12 @@ class Rewriter:
             qw = self.tables.quantize(table)
             inputs = (x, table.packed_name, table.scales_name)
             op = SharedInt4Node(
-                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, self.options.compute
+                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, self.options.node_compute
             ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
         qw = self.quantized.get(key) or quantize_weight(plan.w, self.group_size, self.options.scale_rule)
         op = Int4Node(
-            base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, self.options.compute
+            base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, self.options.node_compute
         ).to_node()
         if self.tensors is not None:
             for a in op.attribute:

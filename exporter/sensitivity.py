@@ -41,7 +41,6 @@ from ..metrics import row_cosines, worst
 from ..ops.ort_model import proto_session
 from ..ops.session import session_options
 from .calibration import feed_batches
-from .io import TensorStore
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
 from .probe import Probe, release_memory
@@ -49,6 +48,7 @@ from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
 from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
+from .writer import TensorStore
 
 
 def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..contract import COMPUTE_MODES
 from .library import library_path
 
 TUNE_LIBRARY_NAME = "libcim_int4_tune.so"
@@ -83,7 +84,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for row in report["variants"]:
         cells = []
-        for mode in ("fp32", "int8"):
+        for mode in COMPUTE_MODES:
             t = row[f"{mode}_seconds"]
             share = read / t if t > 0 else 0.0
             name = row["name"]

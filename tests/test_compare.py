@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 
 import numpy as np
@@ -18,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 import cim_int4
 from cim_int4 import layercheck
 from cim_int4 import validate as compare_module
-from cim_int4.cli import DIVERGED, main
 from cim_int4.contract import COMPUTE_CONFIG, OP_TYPE
 
 VOCAB = 50
@@ -218,63 +215,6 @@ def test_given_feeds_are_checked_and_completed() -> None:
         model_feeds(model, {"input_ids": ids.astype(np.float32)})
 
 
-def test_validate_cli_on_int64_and_bool_inputs_writes_json_and_plot(tmp_path, capsys) -> None:
-    fp32 = embedding_model()
-    onnx.save(fp32, tmp_path / "fp32.onnx")
-    onnx.save(_int4(fp32), tmp_path / "int4.onnx")
-    out_json, out_png = tmp_path / "v.json", tmp_path / "v.png"
-    argv = [
-        "validate",
-        str(tmp_path / "fp32.onnx"),
-        str(tmp_path / "int4.onnx"),
-        "--dim",
-        "sequence_length=6",
-        "--json",
-        str(out_json),
-        "--threads",
-        "1",
-    ]
-    plotting = importlib.util.find_spec("matplotlib") is not None
-    if plotting:
-        argv += ["--plot", str(out_png)]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "rel L2" in out and "SNR dB" in out and "every CimInt4MatMul (2)" in out
-    data = json.loads(out_json.read_text())
-    assert data["first_divergent"] is None
-    assert data["feeds"]["input_ids"] == {"shape": [1, 6], "dtype": "int64"}
-    assert [r["name"] for r in data["rows"]] == ["h", "y0", "y"]
-    assert data["rows"][2]["layer"] is None and data["rows"][0]["layer"]["worst"] <= 1.0
-    if plotting:
-        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_validate_cli_reports_a_divergent_layer_with_its_exit_code(tmp_path, capsys) -> None:
-    fp32 = embedding_model()
-    bad = _edit_attribute(_int4(fp32), 1, "packed", _swap_nibbles_of_one_block)
-    onnx.save(fp32, tmp_path / "fp32.onnx")
-    onnx.save(bad, tmp_path / "bad.onnx")
-    npz = tmp_path / "feeds.npz"
-    np.savez(npz, input_ids=np.array([[4, 5, 6, 7]], dtype=np.int64), use_output=np.array(True))
-    assert main(["validate", str(tmp_path / "fp32.onnx"), str(tmp_path / "bad.onnx"), "--feeds", str(npz)]) == DIVERGED
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"first divergent layer: {_layers(bad)[1].name}")
-
-
-def test_mismatched_models_give_one_line_naming_the_difference(chain, capsys, tmp_path) -> None:
-    fp32, _ = chain
-    other = _int4(embedding_model())
-    with pytest.raises(cim_int4.CompareError, match="input 'x' only in the FP32 model"):
-        cim_int4.compare(fp32, other)
-    onnx.save(fp32, tmp_path / "a.onnx")
-    onnx.save(other, tmp_path / "b.onnx")
-    assert main(["validate", str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx")]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "input 'input_ids' only in the INT4 model" in err
-    assert main(["validate", str(tmp_path / "a.onnx"), str(tmp_path / "missing.onnx")]) == 1
-    assert "missing.onnx: no such file" in capsys.readouterr().err
-
-
 # ---------------------------------------------------------------- external data
 
 
@@ -306,13 +246,6 @@ def test_external_data_models_compare_like_in_memory_ones(tmp_path, chain) -> No
         (r.name, r.rel_l2, r.layer.worst) for r in in_memory.rows
     ]
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["model.onnx", "model.onnx.data"]  # nothing left
-
-
-def test_external_data_embedding_model_through_the_cli(tmp_path) -> None:
-    fp32 = embedding_model()
-    _save_external(fp32, tmp_path / "fp32.onnx")
-    _save_external(_int4(fp32), tmp_path / "int4.onnx")
-    assert main(["validate", str(tmp_path / "fp32.onnx"), str(tmp_path / "int4.onnx"), "--int-range", "0:7"]) == 0
 
 
 def test_a_tied_lm_head_is_checked_like_any_layer() -> None:

@@ -20,10 +20,14 @@ from cim_int4.contract import (
     MATMUL_SHARED,
     OP_DOMAIN,
     OP_TYPE,
+    SUPPORTED_BITS,
     Int4Node,
     SharedInt4Node,
     check_compute,
     check_group_size,
+    code_offset,
+    q_range,
+    unpack,
     unpack_codes,
 )
 
@@ -55,8 +59,8 @@ def test_pack_rows_are_output_channels() -> None:
 @pytest.mark.parametrize(
     ("q", "message"),
     [
-        (np.zeros((2, 3), dtype=np.int8), "K_padded even"),
-        (np.zeros(4, dtype=np.int8), "K_padded even"),
+        (np.zeros((2, 3), dtype=np.int8), "a multiple of 8"),
+        (np.zeros(4, dtype=np.int8), "a multiple of 8"),
         (np.array([[8, 0]], dtype=np.int8), "-8..7"),
         (np.array([[0, -9]], dtype=np.int8), "-8..7"),
     ],
@@ -84,7 +88,7 @@ def test_to_node_then_from_node_gives_the_same_values() -> None:
     written = _node()
     node = written.to_node()
     assert (node.op_type, node.domain, node.name) == (OP_TYPE, OP_DOMAIN, "mm")
-    assert {a.name for a in node.attribute} == {a.name for a in ATTRIBUTES}
+    assert {a.name for a in node.attribute} == {a.name for a in ATTRIBUTES} - {"bits"}  # 4 bits: no attribute
     read = Int4Node.from_node(node)
     got = (read.k, read.n, read.group_size, read.compute, read.inputs, read.outputs)
     assert got == (40, 3, 32, "int8", ("x",), ("y",))
@@ -97,7 +101,7 @@ def test_absent_optional_attributes_read_as_their_defaults() -> None:
     assert {a.name for a in node.attribute} == {"K", "N", "group_size", "packed", "scales"}
     node.attribute.remove(next(a for a in node.attribute if a.name == "group_size"))
     read = Int4Node.from_node(node)
-    assert (read.group_size, read.compute, read.bias) == (32, "fp32", None)
+    assert (read.group_size, read.compute, read.bias, read.bits) == (32, "fp32", None, 4)
 
 
 def _without(node: onnx.NodeProto, name: str) -> onnx.NodeProto:
@@ -106,7 +110,8 @@ def _without(node: onnx.NodeProto, name: str) -> onnx.NodeProto:
 
 
 def _set(node: onnx.NodeProto, name: str, value: object) -> onnx.NodeProto:
-    _without(node, name)
+    if any(a.name == name for a in node.attribute):
+        _without(node, name)
     node.attribute.append(helper.make_attribute(name, value))
     return node
 
@@ -119,7 +124,9 @@ def _set(node: onnx.NodeProto, name: str, value: object) -> onnx.NodeProto:
         (lambda n: _set(n, "group_size", 48), "attribute 'group_size' is 48, expected one of"),
         (lambda n: _set(n, "compute", "int4"), "attribute 'compute' is 'int4'"),
         (lambda n: _without(n, "packed"), "attribute 'packed' is missing or not a tensor"),
-        (lambda n: _set(n, "scales", numpy_helper.from_array(np.ones((3, 2), np.float16))), "element type float16"),
+        (lambda n: _set(n, "scales", numpy_helper.from_array(np.ones((3, 2), np.float64))), "element type float64"),
+        (lambda n: _set(n, "bits", 7), "attribute 'bits' is 7, expected one of"),
+        (lambda n: _set(n, "bits", 8), "attribute 'packed' has shape"),
         (lambda n: _set(n, "bias", numpy_helper.from_array(np.ones(4, np.float32))), "attribute 'bias' has shape"),
         (lambda n: _set(n, "packed", numpy_helper.from_array(np.full((3, 32), 0x77, np.uint8))), "padding code"),
         (lambda n: _set(n, "scales", numpy_helper.from_array(np.full((3, 2), np.inf, np.float32))), "not finite"),
@@ -135,6 +142,40 @@ def test_from_node_names_the_node_and_attribute_in_one_line(broken, message: str
 def test_unpack_codes_is_q_plus_8() -> None:
     q = np.array([[-8, 7, 0, 1]], dtype=np.int8)
     np.testing.assert_array_equal(unpack_codes(pack(q)), q + 8)
+
+
+# One row of 16 codes per width, spelled out bit by bit: the contract's byte order.
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_each_width_packs_each_row_as_a_little_endian_bit_stream(bits: int) -> None:
+    lo, hi = q_range(bits)
+    q = np.clip([[lo, hi, 0, 1, -1, lo + 1, hi - 1, 0, 1, 2, -2, lo, hi, 0, 0, 1]], lo, hi).astype(np.int8)
+    stream = "".join(format(int(c), f"0{bits}b")[::-1] for c in q[0].astype(int) + code_offset(bits))
+    expected = [int(stream[i : i + 8][::-1], 2) for i in range(0, len(stream), 8)]
+    packed = pack(q, bits)
+    assert packed.tolist() == [expected]
+    np.testing.assert_array_equal(unpack(packed, bits), q)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_pack_round_trips_every_code_of_a_width(bits: int) -> None:
+    lo, hi = q_range(bits)
+    q = np.random.default_rng(bits).integers(lo, hi + 1, size=(7, 256)).astype(np.int8)
+    np.testing.assert_array_equal(unpack(pack(q, bits), bits), q)
+    with pytest.raises(ValueError, match="q values must lie in"):
+        pack(np.full((1, 16), hi + 1), bits)
+
+
+def test_a_node_of_another_width_with_float16_scales_reads_back() -> None:
+    q = np.random.default_rng(0).integers(-4, 4, size=(3, 64)).astype(np.int8)
+    q[:, 40:] = 0
+    node = Int4Node("mm", ("a",), ("y",), 40, 3, 32, pack(q, 3), np.ones((3, 2), np.float16), bits=3)
+    proto = node.to_node()
+    assert [a.i for a in proto.attribute if a.name == "bits"] == [3]
+    back = Int4Node.from_node(proto)
+    assert back.bits == 3 and back.scales.dtype == np.float16
+    np.testing.assert_array_equal(unpack(back.packed, 3), q)
+    # 4 bits is the default: no attribute, so int4 files stay as they were.
+    assert "bits" not in [a.name for a in _node().to_node().attribute]
 
 
 def test_checks_name_what_they_expected() -> None:

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportError, load_model, quantize_weight
 from cim_int4.exporter.convert import convert_with_summary
+from cim_int4.exporter.options import ExportOptions
 from cim_int4.ops import reference
 from conftest import U32, random_weight
 from onnx import TensorProto, helper, numpy_helper
@@ -240,6 +241,19 @@ def test_no_matmulnbits_is_an_error() -> None:
 def test_bad_compute_choice() -> None:
     with pytest.raises(ValueError, match="compute must be one of"):
         from_matmulnbits(ort_nbits(fp32_model()), compute="int4")
+
+
+def test_a_conversion_takes_the_export_options_it_can_honour_and_names_the_others() -> None:
+    # The same ExportOptions as an export: compute (with "auto") and external_data apply; a
+    # group size or rule cannot (the MatMulNBits model fixed them), so asking for one is an error.
+    nbits = ort_nbits(fp32_model(), accuracy_level=4)
+    by_options = from_matmulnbits(nbits, ExportOptions(compute="fp32"))
+    assert {a.s for n in by_options.graph.node for a in n.attribute if a.name == "compute"} <= {b"fp32"}
+    assert {a.s for n in from_matmulnbits(nbits).graph.node for a in n.attribute if a.name == "compute"} == {b"int8"}
+    with pytest.raises(ValueError, match=r"takes only the options compute and external_data, got \['group_size'\]"):
+        from_matmulnbits(nbits, group_size=64)
+    # For an export, "auto" is the op's default mode.
+    assert ExportOptions(compute="auto").node_compute == "fp32"
 
 
 def test_unloaded_external_data_is_a_clear_error(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from cim_int4.exporter import load_model, save_model
 from cim_int4.exporter.convert import NothingToConvert, convert_file, convert_with_summary, int4_bytes
-from cim_int4.exporter.io import model_size
+from cim_int4.exporter.writer import model_size
 from onnx import TensorProto, helper, numpy_helper
 from test_convert import fp32_model, ort_nbits
 from test_genai import INT4

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cim_int4.exporter import io as exporter_io
+from cim_int4.exporter import writer as exporter_writer
 from cim_int4.graphs import matmul_chain, mlp, random_input
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
@@ -61,7 +61,7 @@ def external_model(tmp_path: Path, model: onnx.ModelProto) -> Path:
 @pytest.fixture
 def small_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     # Outputs over the threshold (1 GiB in use) get <output>.data; a small one exercises that path.
-    monkeypatch.setattr(exporter_io, "EXTERNAL_DATA_THRESHOLD", 1024)
+    monkeypatch.setattr(exporter_writer, "EXTERNAL_DATA_THRESHOLD", 1024)
 
 
 def test_external_data_input_gives_the_same_model(tmp_path: Path, model: onnx.ModelProto, external_model: Path) -> None:
@@ -211,7 +211,7 @@ def test_failed_export_leaves_nothing_behind(
         raise OSError(28, "No space left on device")
 
     # Fails after the quantized attributes were streamed into the temporary data file.
-    monkeypatch.setattr(exporter_io.OutputFiles, "commit", fail)
+    monkeypatch.setattr(exporter_writer.OutputFiles, "commit", fail)
     with pytest.raises(ExportError, match="No space left on device"):
         export_int4(external_model, out, quiet=True)
     assert listing(tmp_path) == ["in", "out.onnx"] and out.read_bytes() == b"previous output"
@@ -256,7 +256,7 @@ def test_output_in_an_unwritable_folder(
     def refuse(path: Path) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(exporter_io, "_create", refuse)
+    monkeypatch.setattr(exporter_writer, "_create", refuse)
     with pytest.raises(ExportError, match=re.escape(f"cannot write in folder {tmp_path} (Permission denied)")):
         export_int4(model, tmp_path / "out.onnx", quiet=True)
 
@@ -331,7 +331,7 @@ def test_export_memory_stays_bounded(layout: str, tmp_path: Path) -> None:
 def test_progress_bar_on_big_models_unless_quiet(
     quiet: bool, tmp_path: Path, external_model: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(exporter_io, "PROGRESS_MIN_BYTES", 1)  # every model counts as big
+    monkeypatch.setattr(exporter_writer, "PROGRESS_MIN_BYTES", 1)  # every model counts as big
     export_int4(external_model, tmp_path / "out.onnx", quiet=quiet)
     err = capsys.readouterr().err
     assert ("cim-int4 export" in err) != quiet, err

@@ -428,9 +428,9 @@ def test_large_model_goes_to_external_data_and_runs(
 ) -> None:
     # Models over the threshold (1 GiB in use) keep their attribute tensors in <output>.data;
     # a small threshold exercises the same path. ORT must read tensor attributes from it.
-    import cim_int4.exporter.io as exporter_io
+    import cim_int4.exporter.writer as exporter_writer
 
-    monkeypatch.setattr(exporter_io, "EXTERNAL_DATA_THRESHOLD", 1024)
+    monkeypatch.setattr(exporter_writer, "EXTERNAL_DATA_THRESHOLD", 1024)
     out = tmp_path / "big.onnx"
     in_memory = export_int4(mlp_model, out, quiet=True)
     data = tmp_path / "big.onnx.data"
@@ -470,7 +470,7 @@ def test_compute_attribute_is_written_on_every_node(llama_model: onnx.ModelProto
 
 
 def test_bad_compute_is_a_one_line_error(mlp_model: onnx.ModelProto) -> None:
-    with pytest.raises(ValueError, match=r"^compute must be one of \('fp32', 'int8'\), got 'fp16'$"):
+    with pytest.raises(ValueError, match=r"^compute must be one of \('auto', 'fp32', 'int8'\), got 'fp16'$"):
         quantize(mlp_model, compute="fp16")
 
 

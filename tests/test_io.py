@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cim_int4.exporter import io as exporter_io
-from cim_int4.exporter.io import ModelFileError, TensorStore, external_span, read_model
+from cim_int4.exporter import writer as exporter_writer
+from cim_int4.exporter.io import ModelFileError, external_span, read_model
+from cim_int4.exporter.writer import TensorStore
 from cim_int4.graphs import mlp
 
 
@@ -23,7 +24,7 @@ def test_write_model_gives_the_bytes_of_serialize_to_string() -> None:
     model.metadata_props.add(key="k", value="v")
     model.graph.value_info.add(name="extra")
     buf = io.BytesIO()
-    exporter_io.write_model(buf, model)
+    exporter_writer.write_model(buf, model)
     assert buf.getvalue() == model.SerializeToString()
 
 
@@ -64,4 +65,4 @@ def test_output_that_is_an_input_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), path)
     with pytest.raises(ModelFileError):
-        exporter_io.check_output(path, tmp_path / "m.onnx.data", [str(path.resolve())])
+        exporter_writer.check_output(path, tmp_path / "m.onnx.data", [str(path.resolve())])

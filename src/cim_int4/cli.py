@@ -24,9 +24,9 @@ from .serving import commands as serving
 
 def export_options(args: argparse.Namespace) -> ExportOptions:
     """The ExportOptions of ``cim-int4 export``'s flags: each flag whose ``dest`` is a field name (None: default)."""
-    if args.target_cosine is not None and args.feeds is None:
+    if getattr(args, "target_cosine", None) is not None and args.feeds is None:
         raise ValueError("--target-cosine needs --feeds DATA.npz (the calibration inputs it is measured on)")
-    if getattr(args, "method", None) in CALIBRATED and args.feeds is None:
+    if getattr(args, "method", None) in CALIBRATED and getattr(args, "feeds", None) is None:
         raise ValueError(f"--method {args.method} needs --feeds DATA.npz (the calibration inputs it learns from)")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
     # None means "not given" except for fold_input_initializers, where None is a value (warn).
@@ -48,7 +48,7 @@ ORT_ERROR = 5
 def _convert(args: argparse.Namespace) -> int:
     from .exporter.convert import convert_file
 
-    convert_file(args.model, args.output, compute=args.compute, quiet=args.quiet, external_data=args.external_data)
+    convert_file(args.model, args.output, export_options(args), quiet=args.quiet)
     return 0
 
 
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
     p.set_defaults(func=_export)
 
-    from .exporter.convert import COMPUTE_CHOICES
+    from .exporter.options import COMPUTE_CHOICES
 
     compute_help = "CimInt4MatMul compute mode; auto: int8 where MatMulNBits had accuracy_level 4, else fp32"
     p = sub.add_parser("convert", help="rewrite ORT MatMulNBits nodes (4-bit, symmetric) as CimInt4MatMul")
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="compare every tensor both models compute")
     p.add_argument(
         "--compute",
-        choices=("fp32", "int8"),
+        choices=COMPUTE_MODES,
         default=None,
         help="run every CimInt4MatMul in this compute mode (session config cim_int4.compute; default: each node's own)",
     )

@@ -10,15 +10,19 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
 
 * ``K``, ``N`` (int >= 1) and ``group_size`` (one of ``SUPPORTED_GROUP_SIZES``; absent = 32):
   ``y[..., N] = a[..., K] @ W[K, N]`` with ``groups = ceil(K / group_size)`` scale groups along K.
-* ``packed`` uint8 ``[N, groups * group_size / 2]``: row n holds channel n along K, element k in
-  byte k // 2, **even k in the low nibble**, stored as the code ``q + 8`` (0..15); padding codes
-  beyond K are 8 (q = 0). ``pack`` / ``unpack`` are this byte order.
-* ``scales`` float32 ``[N, groups]``; any finite scale whose ``8 * |scale|`` is finite.
+* ``bits`` (optional int, one of ``SUPPORTED_BITS``; absent = 4): the code width b.
+* ``packed`` uint8 ``[N, groups * group_size * b / 8]``: row n holds channel n along K as one
+  little-endian bit stream, element k in bits ``k*b .. k*b + b-1`` (least significant bit first),
+  stored as the code ``q + 2^(b-1)`` (0 .. 2^b - 1); padding codes beyond K are ``2^(b-1)``
+  (q = 0). For b = 4 that is two codes per byte, **even k in the low nibble**. ``pack`` /
+  ``unpack`` are this byte order.
+* ``scales`` float32 or float16 ``[N, groups]``; any finite scale whose ``2^(b-1) * |scale|`` is
+  finite in float32.
 * ``bias`` (optional) float32 ``[N]``, finite.
 * ``compute`` (optional string, one of ``COMPUTE_MODES``; absent = ``"fp32"``); a session's
   config entry ``COMPUTE_CONFIG`` overrides it for every node.
 
-Dequantized, ``W[k, n] = scales[n, k // group_size] * (code(n, k) - 8)``.
+Dequantized, ``W[k, n] = float32(scales[n, k // group_size]) * (code(n, k) - 2^(b-1))``.
 
 How to grow it (each is rows/fields here, then the code that uses them):
 
@@ -28,10 +32,9 @@ How to grow it (each is rows/fields here, then the code that uses them):
   (``GATHER``) and the tied-head form of the MatMul (``MATMUL_SHARED``) read the codes and
   scales as initializer inputs: ``SharedInt4Node`` writes them; ``Int4Node`` writes and
   ``Int4Node.from_node`` checks the attribute form (``OPS``).
-* **A bit width**: add the width to ``SUPPORTED_BITS`` and an optional int ``Attribute``
-  ``bits`` (default 4); ``pack``/``unpack`` and the shapes in ``Int4Node`` take
-  ``bits`` from the node. Today only 4 exists and no node carries the attribute.
-* **A scale dtype**: add it to ``SCALE_DTYPES`` and list it in the ``scales`` row's ``dtypes``.
+* **A bit width**: add it to ``SUPPORTED_BITS``; ``pack``/``unpack`` and the shapes in
+  ``Int4Node`` follow ``bits`` (the bit stream above holds any width up to 8).
+* **A scale dtype**: add it to ``SCALE_DTYPES`` (the ``scales`` row lists them).
 """
 
 from __future__ import annotations
@@ -55,13 +58,19 @@ COMPUTE_MODES = ("fp32", "int8")
 DEFAULT_COMPUTE = "fp32"
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
-SUPPORTED_BITS = (4,)
-SCALE_DTYPES = ("float32",)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+DEFAULT_BITS = 4
+SCALE_DTYPES = ("float32", "float16")
 
-# --- the code format ---------------------------------------------------------------------------
-BITS = 4
-CODE_OFFSET = 8  # stored code = q + 8
-Q_MIN, Q_MAX = -8, 7
+# --- attribute names (read by CMake: keep each a literal on its own line) -----------------------
+ATTR_K = "K"
+ATTR_N = "N"
+ATTR_GROUP_SIZE = "group_size"
+ATTR_BITS = "bits"
+ATTR_PACKED = "packed"
+ATTR_SCALES = "scales"
+ATTR_BIAS = "bias"
+ATTR_COMPUTE = "compute"
 
 
 def check_compute(compute: str, what: str = "compute") -> str:
@@ -83,25 +92,92 @@ def groups_of(k: int, group_size: int) -> int:
     return -(-k // group_size)
 
 
-def pack(q: np.ndarray) -> np.ndarray:
-    """Pack int8 ``q`` [N, K_padded] (-8..7, K_padded even) two per byte as codes q + 8, even k in the low nibble."""
-    if q.ndim != 2 or q.shape[1] % 2:
-        raise ValueError(f"q must be [N, K_padded] with K_padded even, got shape {q.shape}")
-    if q.size and (q.min() < Q_MIN or q.max() > Q_MAX):
-        raise ValueError(f"q values must lie in {Q_MIN}..{Q_MAX}")
-    codes = (q.astype(np.int16) + CODE_OFFSET).astype(np.uint8)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+def check_bits(bits: int) -> int:
+    """``bits`` if the op accepts that code width, else ValueError."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return bits
 
 
-def unpack_codes(packed: np.ndarray) -> np.ndarray:
-    """Codes (0..15) of ``packed`` uint8 [N, B] as uint8 [N, 2*B]: byte b holds k=2b (low nibble) and k=2b+1."""
+def code_offset(bits: int = DEFAULT_BITS) -> int:
+    """The stored code of q = 0: ``2^(bits-1)`` (8 for 4 bits)."""
+    return 1 << (bits - 1)
+
+
+def q_range(bits: int = DEFAULT_BITS) -> tuple[int, int]:
+    """The smallest and largest q of a width: ``-2^(bits-1)`` and ``2^(bits-1) - 1``."""
+    return -code_offset(bits), code_offset(bits) - 1
+
+
+def row_bytes(codes: int, bits: int = DEFAULT_BITS) -> int:
+    """Bytes of ``codes`` codes of ``bits`` bits (``codes * bits`` must be a multiple of 8)."""
+    if codes * bits % 8:
+        raise ValueError(f"{codes} codes of {bits} bits do not fill whole bytes")
+    return codes * bits // 8
+
+
+def pack_codes(codes: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+    """Pack ``codes`` [N, K_padded] (0 .. 2^bits - 1), each row a little-endian bit stream: uint8 [N, K_padded*b/8]."""
+    check_bits(bits)
+    codes = np.asarray(codes)
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be [N, K_padded], got shape {codes.shape}")
+    n, k = codes.shape
+    nbytes = row_bytes(k, bits)
+    if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
+        raise ValueError(f"codes must lie in 0..{(1 << bits) - 1}")
+    if bits == 8:
+        return codes.astype(np.uint8)
+    if bits == 4:  # the common case, without the 64-bit detour
+        c = codes.astype(np.uint8)
+        return (c[:, 0::2] | (c[:, 1::2] << 4)).astype(np.uint8)
+    # Eight codes fill exactly `bits` bytes: build each run of eight as one 64-bit word.
+    runs = -(-k // 8)
+    padded = np.zeros((n, runs * 8), dtype=np.uint64)
+    padded[:, :k] = codes
+    words = np.zeros((n, runs), dtype=np.uint64)
+    for j in range(8):
+        words |= padded[:, j::8] << np.uint64(bits * j)
+    out = words.astype("<u8").view(np.uint8).reshape(n, runs, 8)[:, :, :bits].reshape(n, runs * bits)
+    return np.ascontiguousarray(out[:, :nbytes])
+
+
+def unpack_codes(packed: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+    """Codes of ``packed`` uint8 [N, B] (each row a little-endian bit stream) as uint8 [N, B*8/bits]."""
+    check_bits(bits)
     packed = np.asarray(packed, dtype=np.uint8)
-    return np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(packed.shape[0], -1)
+    n, nbytes = packed.shape
+    count = nbytes * 8 // bits
+    if bits == 8:
+        return packed.copy()
+    if bits == 4:
+        return np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)
+    runs = -(-nbytes // bits)
+    raw = np.zeros((n, runs, 8), dtype=np.uint8)
+    flat = np.zeros((n, runs * bits), dtype=np.uint8)
+    flat[:, :nbytes] = packed
+    raw[:, :, :bits] = flat.reshape(n, runs, bits)
+    words = raw.reshape(n, runs * 8).view("<u8").reshape(n, runs)
+    mask = np.uint64((1 << bits) - 1)
+    codes = np.stack([(words >> np.uint64(bits * j)) & mask for j in range(8)], axis=2).reshape(n, runs * 8)
+    return codes[:, :count].astype(np.uint8)
 
 
-def unpack(packed: np.ndarray) -> np.ndarray:
-    """``q`` (-8..7) of ``packed`` uint8 [N, B] as int8 [N, 2*B]."""
-    return (unpack_codes(packed).astype(np.int8) - CODE_OFFSET).astype(np.int8)
+def pack(q: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+    """Pack signed ``q`` [N, K_padded] (``q_range(bits)``) as codes ``q + 2^(bits-1)`` in the contract's bit order."""
+    check_bits(bits)
+    q = np.asarray(q)
+    if q.ndim != 2 or q.shape[1] * bits % 8:
+        raise ValueError(f"q must be [N, K_padded] with K_padded*{bits} a multiple of 8, got shape {q.shape}")
+    lo, hi = q_range(bits)
+    if q.size and (q.min() < lo or q.max() > hi):
+        raise ValueError(f"q values must lie in {lo}..{hi}")
+    return pack_codes(q.astype(np.int16) + code_offset(bits), bits)
+
+
+def unpack(packed: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+    """Signed ``q`` of ``packed`` uint8 [N, B] as int8 [N, B*8/bits]."""
+    return (unpack_codes(packed, bits).astype(np.int16) - code_offset(bits)).astype(np.int8)
 
 
 # --- the node's attributes ---------------------------------------------------------------------
@@ -119,20 +195,30 @@ class Attribute:
 
 
 ATTRIBUTES: tuple[Attribute, ...] = (
-    Attribute("K", "int", meaning="input features (A's last dimension), >= 1"),
-    Attribute("N", "int", meaning="output features, >= 1"),
+    Attribute(ATTR_K, "int", meaning="input features (A's last dimension), >= 1"),
+    Attribute(ATTR_N, "int", meaning="output features, >= 1"),
     Attribute(
-        "group_size",
+        ATTR_GROUP_SIZE,
         "int",
         required=False,
         default=DEFAULT_GROUP_SIZE,
         meaning=f"K elements per scale, one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}",
     ),
-    Attribute("packed", "tensor", ("uint8",), "[N, groups * group_size / 2]", meaning="two 4-bit codes q + 8 per byte"),
-    Attribute("scales", "tensor", SCALE_DTYPES, "[N, groups]", meaning="one scale per output channel and group"),
-    Attribute("bias", "tensor", ("float32",), "[N]", required=False, meaning="added to every output row"),
     Attribute(
-        "compute",
+        ATTR_BITS,
+        "int",
+        required=False,
+        default=DEFAULT_BITS,
+        meaning=f"code width b, one of {', '.join(map(str, SUPPORTED_BITS))}",
+    ),
+    Attribute(
+        ATTR_PACKED, "tensor", ("uint8",), "[N, groups * group_size * b / 8]",
+        meaning="codes q + 2^(b-1), each row a little-endian bit stream",
+    ),
+    Attribute(ATTR_SCALES, "tensor", SCALE_DTYPES, "[N, groups]", meaning="one scale per output channel and group"),
+    Attribute(ATTR_BIAS, "tensor", ("float32",), "[N]", required=False, meaning="added to every output row"),
+    Attribute(
+        ATTR_COMPUTE,
         "string",
         required=False,
         default=DEFAULT_COMPUTE,
@@ -155,12 +241,18 @@ class OpSpec:
         return next(a for a in ATTRIBUTES if a.name == name and name in self.attributes)
 
 
-MATMUL = OpSpec(OP_TYPE, ("A",), ("Y",), ("K", "N", "group_size", "packed", "scales", "bias", "compute"))
+MATMUL = OpSpec(
+    OP_TYPE, ("A",), ("Y",),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_BIAS, ATTR_COMPUTE),
+)
 OPS: Mapping[str, OpSpec] = {MATMUL.op_type: MATMUL}
 # The same codes and scales read as constant-initializer inputs instead of attributes, so that an
 # embedding table (CimInt4Gather) and the LM head tied to it hold one copy (docs/embeddings.md).
-MATMUL_SHARED = OpSpec(OP_TYPE, ("A", "packed", "scales"), ("Y",), ("K", "N", "group_size", "bias", "compute"))
-GATHER = OpSpec(GATHER_OP_TYPE, ("packed", "indices", "scales"), ("Y",), ("K", "group_size"))
+MATMUL_SHARED = OpSpec(
+    OP_TYPE, ("A", ATTR_PACKED, ATTR_SCALES), ("Y",),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_BIAS, ATTR_COMPUTE),
+)
+GATHER = OpSpec(GATHER_OP_TYPE, (ATTR_PACKED, "indices", ATTR_SCALES), ("Y",), (ATTR_K, ATTR_GROUP_SIZE, ATTR_BITS))
 
 
 def is_op_node(node: onnx.NodeProto, op: OpSpec = MATMUL) -> bool:
@@ -173,8 +265,9 @@ def is_op_node(node: onnx.NodeProto, op: OpSpec = MATMUL) -> bool:
 class Int4Node:
     """One node's contract values: ``to_node()`` writes the node, ``from_node()`` reads and checks one.
 
-    ``compute=None`` writes no ``compute`` attribute (the op then computes in ``"fp32"``);
-    ``from_node`` fills in the defaults, so a read node always has ``group_size`` and ``compute``.
+    ``compute=None`` writes no ``compute`` attribute (the op then computes in ``"fp32"``), and
+    ``bits=4`` no ``bits`` attribute (4 is its default); ``from_node`` fills in the defaults, so a
+    read node always has ``group_size``, ``bits`` and ``compute``.
     """
 
     name: str
@@ -188,6 +281,7 @@ class Int4Node:
     bias: np.ndarray | None = field(default=None, repr=False)
     compute: str | None = DEFAULT_COMPUTE
     op: OpSpec = MATMUL
+    bits: int = DEFAULT_BITS
 
     @property
     def groups(self) -> int:
@@ -196,8 +290,9 @@ class Int4Node:
 
     def attributes(self) -> dict[str, object]:
         """The node's attributes as ``helper.make_node`` keywords (tensors as TensorProtos named as the attribute)."""
-        values = {"K": self.k, "N": self.n, "group_size": self.group_size, "packed": self.packed,
-                  "scales": self.scales, "bias": self.bias, "compute": self.compute}
+        values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
+                  ATTR_PACKED: self.packed, ATTR_SCALES: self.scales, ATTR_BIAS: self.bias,
+                  ATTR_COMPUTE: self.compute}
         return _attributes(self.op, values)
 
     def to_node(self) -> onnx.NodeProto:
@@ -215,35 +310,42 @@ class Int4Node:
                 f"expected {len(op.inputs)} and {len(op.outputs)}"
             )
         values = _attribute_values(node, where)
-        k = _int(values, op.attribute("K"), where)
-        n = _int(values, op.attribute("N"), where)
-        group_size = _int(values, op.attribute("group_size"), where)
-        for name, value in (("K", k), ("N", n)):
+        k = _int(values, op.attribute(ATTR_K), where)
+        n = _int(values, op.attribute(ATTR_N), where)
+        group_size = _int(values, op.attribute(ATTR_GROUP_SIZE), where)
+        bits = _int(values, op.attribute(ATTR_BITS), where)
+        for name, value in ((ATTR_K, k), (ATTR_N, n)):
             if value < 1:
                 raise ValueError(f"{where}attribute '{name}' is {value}, expected >= 1")
         if group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"{where}attribute 'group_size' is {group_size}, expected one of {SUPPORTED_GROUP_SIZES}")
-        compute = values.get("compute", DEFAULT_COMPUTE.encode())
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"{where}attribute 'bits' is {bits}, expected one of {SUPPORTED_BITS}")
+        compute = values.get(ATTR_COMPUTE, DEFAULT_COMPUTE.encode())
         compute = compute.decode() if isinstance(compute, bytes) else compute
         if compute not in COMPUTE_MODES:
             raise ValueError(f"{where}attribute 'compute' is {compute!r}, expected one of {COMPUTE_MODES}")
         groups = groups_of(k, group_size)
-        packed = _tensor(values, op.attribute("packed"), where, (n, groups * group_size // 2))
-        scales = _tensor(values, op.attribute("scales"), where, (n, groups))
-        bias = _tensor(values, op.attribute("bias"), where, (n,)) if "bias" in values else None
-        padding = unpack_codes(packed)[:, k:]
-        if np.any(padding != CODE_OFFSET):
-            row, col = np.argwhere(padding != CODE_OFFSET)[0]
-            raise ValueError(f"{where}attribute 'packed': padding code at row {row}, k={k + col} is not 8")
+        packed = _tensor(values, op.attribute(ATTR_PACKED), where, (n, row_bytes(groups * group_size, bits)))
+        scales = _tensor(values, op.attribute(ATTR_SCALES), where, (n, groups))
+        bias = _tensor(values, op.attribute(ATTR_BIAS), where, (n,)) if ATTR_BIAS in values else None
+        offset = code_offset(bits)
+        padding = unpack_codes(packed, bits)[:, k:]
+        if np.any(padding != offset):
+            row, col = np.argwhere(padding != offset)[0]
+            raise ValueError(f"{where}attribute 'packed': padding code at row {row}, k={k + col} is not {offset}")
         with np.errstate(over="ignore", invalid="ignore"):
-            bad = ~np.isfinite(np.float32(8) * np.abs(scales))
+            bad = ~np.isfinite(np.float32(offset) * np.abs(scales.astype(np.float32)))
         if np.any(bad):
             row, col = np.argwhere(bad)[0]
-            raise ValueError(f"{where}attribute 'scales': [{row}, {col}] is not finite with 8*|scale| finite")
+            raise ValueError(
+                f"{where}attribute 'scales': [{row}, {col}] is not finite with {offset}*|scale| finite"
+            )
         if bias is not None and not np.all(np.isfinite(bias)):
             raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
         return cls(
-            node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op
+            node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op,
+            bits,
         )
 
 
@@ -265,13 +367,20 @@ class SharedInt4Node:
     n: int | None = None
     bias: np.ndarray | None = field(default=None, repr=False)
     compute: str | None = None
+    bits: int = DEFAULT_BITS
 
     def to_node(self) -> onnx.NodeProto:
         """The ONNX node (domain OP_DOMAIN)."""
         if len(self.inputs) != len(self.op.inputs):
             raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {self.op.inputs}, got {self.inputs}")
-        values = {"K": self.k, "N": self.n, "group_size": self.group_size, "bias": self.bias, "compute": self.compute}
+        values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
+                  ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute}
         return _make_node(self.op, self.name, self.inputs, self.outputs, _attributes(self.op, values))
+
+
+def _bits_value(bits: int) -> int | None:
+    """The ``bits`` attribute to write: none for the default width, so int4 nodes stay as they always were."""
+    return None if check_bits(bits) == DEFAULT_BITS else bits
 
 
 def _attributes(op: OpSpec, values: Mapping[str, object]) -> dict[str, object]:

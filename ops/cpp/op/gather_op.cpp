@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cim_int4_contract.h"
 #include "kernels/gather.h"
 #include "kernels/repack.h"
 #include "op/ort_support.h"
@@ -33,13 +34,21 @@ class GatherKernel {
  public:
   explicit GatherKernel(const OrtKernelInfo* info) : node_(node_name(info)) {
     AttributeReader attrs(info, node_, CIM_GATHER_OP_TYPE);
-    K_ = attrs.required_int("K", "int K >= 1, the width of a dequantized row");
-    group_size_ = attrs.optional_int("group_size", 32, "int, one of 16, 32, 64, 128, 256");
+    K_ = attrs.required_int(cim::contract::kAttrK, "int K >= 1, the width of a dequantized row");
+    group_size_ = attrs.optional_int(cim::contract::kAttrGroupSize, cim::contract::kDefaultGroupSize,
+                                     (std::string("int, one of ") + cim::contract::kGroupSizesText).c_str());
     if (K_ < 1 || K_ > cim::kMaxDim) {
       attrs.fail("attribute 'K' is " + std::to_string(K_) + ", expected >= 1 (at most 2^31)");
     }
     if (!cim::is_supported_group_size(group_size_)) {
-      attrs.fail("attribute 'group_size' is " + std::to_string(group_size_) + ", expected one of 16, 32, 64, 128, 256");
+      attrs.fail("attribute 'group_size' is " + std::to_string(group_size_) + ", expected one of " +
+                 cim::contract::kGroupSizesText);
+    }
+    // The contract's other widths have no kernels in this library yet: refuse them rather
+    // than read their codes as 4-bit ones.
+    if (const int64_t bits = attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, "int, 4");
+        bits != 4) {
+      attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", this library runs 4-bit codes only");
     }
     if (attrs.input_count() != 3) {
       attrs.fail("has " + std::to_string(attrs.input_count()) + " inputs, expected 3 (packed, indices, scales)");
@@ -175,7 +184,7 @@ class GatherKernel {
 OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
   return guarded([&] {
     const OrtOpAttr* attr = nullptr;
-    check(g_api->ShapeInferContext_GetAttribute(ctx, "K", &attr), CIM_GATHER_OP_TYPE ": attribute 'K'");
+    check(g_api->ShapeInferContext_GetAttribute(ctx, cim::contract::kAttrK, &attr), CIM_GATHER_OP_TYPE ": attribute 'K'");
     int64_t K = 0;
     size_t bytes = 0;
     check(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_GATHER_OP_TYPE ": attribute 'K'");

@@ -49,9 +49,9 @@ class Kernel {
  public:
   explicit Kernel(const OrtKernelInfo* info) : node_(node_name(info)) {
     AttributeReader attrs(info, node_);
-    const int64_t K = attrs.required_int("K", "int K >= 1, the input's last dimension");
-    const int64_t N = attrs.required_int("N", "int N >= 1, the output's last dimension");
-    const int64_t group_size = attrs.optional_int("group_size", cim::contract::kDefaultGroupSize,
+    const int64_t K = attrs.required_int(cim::contract::kAttrK, "int K >= 1, the input's last dimension");
+    const int64_t N = attrs.required_int(cim::contract::kAttrN, "int N >= 1, the output's last dimension");
+    const int64_t group_size = attrs.optional_int(cim::contract::kAttrGroupSize, cim::contract::kDefaultGroupSize,
                                                   (std::string("int, one of ") + cim::contract::kGroupSizesText).c_str());
     // Bounds first: every size below is computed from these and must not overflow.
     const std::string limit = " (at most 2^31 = " + std::to_string(cim::kMaxDim) + ")";
@@ -60,6 +60,12 @@ class Kernel {
     if (!cim::is_supported_group_size(group_size)) {
       attrs.fail("attribute 'group_size' is " + std::to_string(group_size) + ", expected one of " +
                  cim::contract::kGroupSizesText);
+    }
+    // The contract's other widths have no kernels in this library yet: refuse them rather
+    // than read their codes as 4-bit ones.
+    if (const int64_t bits = attrs.optional_int(cim::contract::kAttrBits, cim::contract::kDefaultBits, "int, 4");
+        bits != 4) {
+      attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", this library runs 4-bit codes only");
     }
     // The node's compute mode, unless the session config overrides it for every node;
     // each is checked where it is given.
@@ -72,7 +78,7 @@ class Kernel {
       return mode;
     };
     std::string compute =
-        checked_mode(attrs.optional_string("compute", cim::contract::kDefaultCompute,
+        checked_mode(attrs.optional_string(cim::contract::kAttrCompute, cim::contract::kDefaultCompute,
                                           (std::string("one of ") + cim::contract::kComputeModesText).c_str()),
                      "attribute 'compute'");
     if (std::string session_compute = config.get(cim::contract::kComputeConfig); !session_compute.empty()) {
@@ -84,20 +90,20 @@ class Kernel {
     const int64_t groups = (K + group_size - 1) / group_size;
     const int64_t row_bytes = groups * group_size / 2;
     ValuePtr bias;
-    if (attrs.has("bias")) bias = attrs.tensor("bias", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
+    if (attrs.has(cim::contract::kAttrBias)) bias = attrs.tensor(cim::contract::kAttrBias, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N}, "[N]");
     const float* bias_data = bias ? data_of<float>(bias.get()) : nullptr;
     const size_t inputs = attrs.input_count();
     if (inputs == 3) {
       // Codes and scales as constant initializers (a table shared with a CimInt4Gather, say):
       // ORT keeps them; the stream below is our own copy, made once here.
-      if (attrs.has("packed") || attrs.has("scales")) {
+      if (attrs.has(cim::contract::kAttrPacked) || attrs.has(cim::contract::kAttrScales)) {
         attrs.fail("has inputs 'packed' and 'scales' and also attributes of those names; give one or the other");
       }
       const OrtValue* packed =
-          attrs.constant_input(1, "packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
+          attrs.constant_input(1, cim::contract::kAttrPacked, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8",
                                {{N, row_bytes}, {N, groups, group_size / 2}},
                                "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
-      const OrtValue* scales = attrs.constant_input(2, "scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32",
+      const OrtValue* scales = attrs.constant_input(2, cim::contract::kAttrScales, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32",
                                                     {{N, groups}, {N * groups}}, "[N, ceil(K/group_size)]");
       const std::string problem =
           storage_.build(K, N, group_size, data_of<uint8_t>(packed), data_of<float>(scales), bias_data);
@@ -105,9 +111,9 @@ class Kernel {
     } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
       // the model plus one node's copies, and afterwards we hold only our repacked stream.
-      ValuePtr scales = attrs.tensor("scales", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
+      ValuePtr scales = attrs.tensor(cim::contract::kAttrScales, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "float32", {N, groups},
                                      "[N, ceil(K/group_size)]");
-      ValuePtr packed = attrs.tensor("packed", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8", {N, row_bytes},
+      ValuePtr packed = attrs.tensor(cim::contract::kAttrPacked, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "uint8", {N, row_bytes},
                                      "[N, ceil(K/group_size)*group_size/2], two 4-bit codes per byte");
       const std::string problem = storage_.build(K, N, group_size, data_of<uint8_t>(packed.get()),
                                                  data_of<float>(scales.get()), bias_data);
@@ -253,13 +259,13 @@ class Kernel {
 OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
   return guarded([&] {
     const OrtOpAttr* attr = nullptr;
-    check(g_api->ShapeInferContext_GetAttribute(ctx, "N", &attr), CIM_OP_TYPE ": attribute 'N'");
+    check(g_api->ShapeInferContext_GetAttribute(ctx, cim::contract::kAttrN, &attr), CIM_OP_TYPE ": attribute 'N'");
     int64_t N = 0;
     size_t bytes = 0;
     check(g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &N, sizeof(N), &bytes), CIM_OP_TYPE ": attribute 'N'");
     const OrtOpAttr* k_attr = nullptr;
     int64_t K = -1;
-    if (OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, "K", &k_attr)) {
+    if (OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, cim::contract::kAttrK, &k_attr)) {
       g_api->ReleaseStatus(s);
     } else if (k_attr != nullptr) {
       check(g_api->ReadOpAttr(k_attr, ORT_OP_ATTR_INT, &K, sizeof(K), &bytes), CIM_OP_TYPE ": attribute 'K'");

@@ -449,7 +449,7 @@ std::vector<Shape> shapes() {
 int64_t check_gather(std::mt19937_64& rng) {
   int64_t failures = 0;
   const int64_t rows = 37;
-  for (int64_t group_size : {16, 32, 64, 128, 256}) {
+  for (int64_t group_size : cim::contract::kGroupSizes) {
     for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640)}) {
       const int64_t groups = (K + group_size - 1) / group_size;
       const int64_t row_bytes = groups * group_size / 2;

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import time
 
+from ..contract import COMPUTE_MODES
 from .tensors import DEFAULT_MAX_BODY
 
 DEFAULT_HOST = "127.0.0.1"
@@ -54,7 +55,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _add_compute(p: argparse.ArgumentParser, default: str | None = None) -> None:
     p.add_argument(
         "--compute",
-        choices=("fp32", "int8"),
+        choices=COMPUTE_MODES,
         default=default,
         help="compute mode of every CimInt4MatMul (session override; default: " + (default or "each node's own") + ")",
     )
