@@ -165,6 +165,8 @@ def collect(
     fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
     for b, batch in enumerate(batches):
+        if not names and not outputs:
+            continue  # nothing to fetch (ORT would return every output for an empty list)
         feeds = {k: v for k, v in batch.items() if k in known}
         values = session.run([*outputs, *names], {**feeds, **(constants or {})})
         if keep is not None:

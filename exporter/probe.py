@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -43,6 +43,8 @@ class Candidate:
     weight_name: str
     w: np.ndarray
     bias: np.ndarray | None
+    also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
+    sources: tuple[str, ...] = ()  # the names the weight was read through
 
 
 class ProbeRewriter(Rewriter):
@@ -67,7 +69,7 @@ class ProbeRewriter(Rewriter):
     ) -> tuple[list[onnx.NodeProto], int | None]:
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
         self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(plan.w.shape)))
-        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias))
+        self.candidates.append(Candidate(key, w_name, plan.w, plan.bias, sources=tuple(plan.sources)))
         if plan.bias is None:
             return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
         b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
@@ -94,9 +96,45 @@ def probe_model(
     out, rewriter = run_rewrite(model, options, lambda m: ProbeRewriter(m, options, tensors))
     assert isinstance(rewriter, ProbeRewriter)
     out.graph.input.extend(rewriter.probe_weights)
+    candidates = _share_weights(out, rewriter.candidates, tensors)
     if tensors is not None:
         tensors.inline(out)
-    return out, rewriter.candidates
+    return out, candidates
+
+
+def _share_weights(
+    probe: onnx.ModelProto, candidates: list[Candidate], tensors: TensorStore | None
+) -> list[Candidate]:
+    """Turn an initializer still read by other nodes that equals a candidate's weight into an input fed with it.
+
+    A tied LM head's weight is also the embedding table (behind a Transpose): without this the
+    session would hold a second FP32 copy of the largest tensor of the model.
+    """
+    load = tensors.read if tensors is not None else numpy_helper.to_array
+    by_source = {c.sources[0]: i for i, c in enumerate(candidates) if len(c.sources) == 1}
+    graph = probe.graph
+    inputs = {i.name for i in graph.input}
+    kept, shared = [], {}
+    for t in graph.initializer:
+        i = by_source.get(t.name) if t.name not in inputs else None
+        c = None if i is None else candidates[i]
+        if c is None or t.data_type != onnx.TensorProto.FLOAT or tuple(t.dims) != c.w.shape:
+            kept.append(t)
+            continue
+        if not np.array_equal(load(t), c.w):
+            kept.append(t)
+            continue
+        shared[t.name] = i
+    if not shared:
+        return candidates
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(candidates[i].w.shape))
+                       for n, i in shared.items())  # fmt: skip
+    out = list(candidates)
+    for name, i in shared.items():
+        out[i] = replace(out[i], also=(*out[i].also, name))
+    return out
 
 
 def release_memory() -> None:
@@ -156,7 +194,7 @@ class Probe:
     @property
     def fp32(self) -> dict[str, np.ndarray]:
         """The FP32 weight of every candidate, by its probe input name (what a run feeds by default)."""
-        return {c.weight_name: c.w for c in self.candidates}
+        return {name: c.w for c in self.candidates for name in (c.weight_name, *c.also)}
 
     def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         assert self.session is not None

@@ -329,5 +329,8 @@ def test_gptq_streamed_from_a_file_matches_in_memory_and_the_tied_table_gets_the
     w = next(t for t in model.graph.initializer if list(t.dims) == [64, 1000])  # the head's [K, N], the table's T
     rtn = quantize_weight(numpy_helper.to_array(w), 32, "signed")
     assert not np.array_equal(numpy_helper.to_array(packed), rtn.packed), head.name
+    # The probe feeds the head's FP32 weight to the table's Transpose too: no second copy in its session.
+    probe = Probe(model, ExportOptions(), [])
+    assert [c.also for c in probe.candidates if c.also] == [("lm_head.MatMul.weight",)]
     # The calibration pass, then the check's FP32 reference run again (one pair, target 0: not kept meanwhile).
     assert summary.mixed_precision.runs == 2 * len(feeds)

@@ -102,6 +102,26 @@ def _session(folder: Path, expose_inputs: bool, untie: bool):  # noqa: ANN202
     return session, weights, layers, embed, feeds
 
 
+def _save(path: Path, q: dict) -> None:
+    arrays = {}
+    for name, qw in q.items():
+        arrays[f"{name}|packed"], arrays[f"{name}|scales"] = qw.packed, qw.scales
+        arrays[f"{name}|shape"] = np.array([qw.k, qw.n, qw.group_size])
+    np.savez(path, **arrays)
+
+
+def _load(path: Path) -> dict:
+    from cim_int4.exporter.quantize import QuantizedWeight
+
+    data = np.load(path)
+    names = {key.split("|")[0] for key in data.files}
+    out = {}
+    for name in names:
+        k, n, g = (int(v) for v in data[f"{name}|shape"])
+        out[name] = QuantizedWeight(k, n, g, data[f"{name}|packed"], data[f"{name}|scales"])
+    return out
+
+
 def _window(tokens: np.ndarray, i: int, bos: int | None, size: int = 512) -> np.ndarray:
     """Window ``i`` of ``size`` tokens: ``bos`` (if any) then the next ``size - 1`` (or ``size``) text tokens."""
     span = size - (bos is not None)
@@ -177,7 +197,13 @@ def _sweep(args: argparse.Namespace) -> None:
     for v in variants:
         t0 = time.perf_counter()
         same = tuple(v[k] for k in ("method", "rule", "group", "damp", "act", "block"))
-        quantized[v["spec"]] = _quantize(v, weights, layers, embed, stats, done.get(same))
+        cache = Path(args.stats).with_name(f"q-{v['spec'].replace(':', '_')}.npz") if args.stats else None
+        if cache is not None and cache.exists():
+            quantized[v["spec"]] = _load(cache)
+        else:
+            quantized[v["spec"]] = _quantize(v, weights, layers, embed, stats, done.get(same))
+            if cache is not None:
+                _save(cache, quantized[v["spec"]])
         done.setdefault(same, quantized[v["spec"]])
         v["quantize_seconds"] = time.perf_counter() - t0
         print(f"{v['spec']}: quantized in {v['quantize_seconds']:.0f} s", flush=True)
@@ -193,17 +219,17 @@ def _sweep(args: argparse.Namespace) -> None:
         r["nll"].append(nll), r["kl"].append(0.0), r["agree"].append(len(targets)), r["tokens"].append(len(targets))
         for v in variants:
             q = quantized[v["spec"]]
-            int4 = {n: dequantize(qw.packed, qw.scales, qw.k, qw.group_size) for n, qw in q.items()}
+            int4 = {n: dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32) for n, qw in q.items()}
             out = session.run(["logits"], {**feeds(ids), **weights, **int4})[0][0, :-1]
             del int4
             nll, kl, agree = score_window(ref, out, targets)
             r = rows[v["spec"]]
             r["nll"].append(nll), r["kl"].append(kl), r["agree"].append(agree), r["tokens"].append(len(targets))
         print(f"window {i + 1}/{args.eval_windows}", flush=True)
-    report = _report(rows, variants)
+        report = _report(rows, variants)  # rewritten after every window: a cut run still has its figures
+        if args.json:
+            Path(args.json).write_text(json.dumps({"settings": vars(args), **report}, indent=1, default=str))
     print(report["table"])
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), **report}, indent=1, default=str))
 
 
 def _report(rows: dict, variants: list[dict]) -> dict:
