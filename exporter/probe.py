@@ -152,6 +152,11 @@ def _compact(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
+def compact_outputs(outputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Model outputs kept for a later comparison, float16 where that stays finite."""
+    return [_compact(o) for o in outputs]
+
+
 class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
 

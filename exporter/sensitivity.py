@@ -43,7 +43,7 @@ from ..ops.session import session_options
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import Probe, release_memory
+from .probe import REFERENCE_BYTES, Probe, compact_outputs, release_memory
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
@@ -156,6 +156,20 @@ def export_mixed(
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
     chosen, keep, quantized, report, probe = _plan(model, batches, options, tensors)
+    outputs, reference = probe.outputs, probe.reference
+    if not probe.keep_reference:
+        # The FP32 outputs were not held through the export: run them now, kept compact if they fit
+        # REFERENCE_BYTES, and drop the probe (its FP32 weights) before the exported model's session exists.
+        before, kept = probe.runs, []
+        for i in range(len(batches)):
+            kept.append(compact_outputs(probe.reference(i)))
+            if sum(o.nbytes for o in kept[0]) * len(batches) > REFERENCE_BYTES:
+                kept = []  # too big: the check runs them again in the probe, as it is
+                break
+        report.runs += probe.runs - before
+        if kept:
+            reference = kept.__getitem__
+            probe.session, probe.candidates = None, []
     in_place = owned or chosen is not model
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)
     del chosen, model
@@ -175,7 +189,7 @@ def export_mixed(
         del check
         # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
         before = probe.runs
-        cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+        cos = [row_cosines(reference(i), int4.run(outputs, dict(b))) for i, b in enumerate(batches)]
         report.runs += probe.runs - before
         report.cosine_exported = worst(np.concatenate(cos))
         if report.cosine_probe is None:  # target 0: the exported model is the every-layer-INT4 model
