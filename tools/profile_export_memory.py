@@ -76,10 +76,10 @@ def main() -> None:
     args = p.parse_args()
 
     import cim_int4.exporter.api as api
-    import cim_int4.exporter.io as io
     import cim_int4.exporter.methods as methods
     import cim_int4.exporter.probe as probe
     import cim_int4.exporter.sensitivity as sensitivity
+    import cim_int4.exporter.writer as writer
     from cim_int4.exporter import export_int4
 
     sampler = Sampler()
@@ -92,7 +92,7 @@ def main() -> None:
     _wrap(sensitivity, "rewrite_model", "rewrite", sampler, log)
     _wrap(sensitivity, "proto_session", "exported model's session", sampler, log)
     _wrap(api, "_commit", "write", sampler, log)
-    _wrap(io.OutputFiles, "commit", "write (streamed)", sampler, log)
+    _wrap(writer.OutputFiles, "commit", "write (streamed)", sampler, log)
     _wrap(probe.Probe, "reference", "FP32 reference run", sampler, log)
     _wrap(api, "read_model", "read", sampler, log)
 
