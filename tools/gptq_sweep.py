@@ -219,7 +219,8 @@ def _sweep(args: argparse.Namespace) -> None:
         r["nll"].append(nll), r["kl"].append(0.0), r["agree"].append(len(targets)), r["tokens"].append(len(targets))
         for v in variants:
             q = quantized[v["spec"]]
-            int4 = {n: dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32) for n, qw in q.items()}
+            int4 = {n: dequantize(qw.packed, qw.scales, qw.k, qw.group_size).astype(np.float32)
+                    for n, qw in q.items() if n in weights}  # fmt: skip
             out = session.run(["logits"], {**feeds(ids), **weights, **int4})[0][0, :-1]
             del int4
             nll, kl, agree = score_window(ref, out, targets)
