@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--method", default="gptq")
     p.add_argument("--rule", default="mse")
     p.add_argument("--bos", type=int, default=None)
+    p.add_argument("--act-order", action="store_true", help="GPTQ sweeps channels by decreasing H[k, k]")
     args = p.parse_args()
 
     import cim_int4.exporter.api as api
@@ -110,7 +111,7 @@ def main() -> None:
                          for j in range(config["num_hidden_layers"]) for kv_ in ("key", "value")}})  # fmt: skip
     t0 = time.perf_counter()
     export_int4(folder / config["filename"], args.out, method=args.method, scale_rule=args.rule, feeds=feeds,
-                target_cosine=0.0, external_data=True, quiet=True)  # fmt: skip
+                target_cosine=0.0, external_data=True, quiet=True, gptq_act_order=args.act_order)  # fmt: skip
     seconds = time.perf_counter() - t0
     usage = resource.getrusage(resource.RUSAGE_SELF)
     peak = usage.ru_maxrss * 1024
