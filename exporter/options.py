@@ -79,7 +79,7 @@ class ExportOptions:
     method: str = DEFAULT_METHOD
     gptq_damp: float = DEFAULT_DAMP  # times mean(diag H), added to H's diagonal
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
-    gptq_act_order: bool = False  # sweep channels by decreasing H[k, k] (groups stay contiguous)
+    gptq_act_order: bool = True  # sweep channels by decreasing H[k, k] (groups stay contiguous); docs/methods.md
     keep_embedding: bool = False
 
     def __post_init__(self) -> None:
