@@ -137,8 +137,9 @@ def export_int4(
 
     What to do is an ExportOptions: ``options``, with any of its fields given by name as
     keywords (``export_int4(path, out, group_size=64, compute="int8")``; see ExportOptions for
-    each). From a path (without ``simplify`` or ``feeds``), weights are read one at a time and
-    the output is written as it goes, so memory stays well under the model's size. The output
+    each). From a path (without ``simplify``, or AWQ or ``bits="auto"`` with ``feeds``; see
+    ``ExportOptions.whole_model``), weights are read one at a time and the output is written as
+    it goes, so memory stays well under the model's size. The output
     keeps its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``:
     a session loaded from it then holds 2x the int4 weights instead of 3x (docs/design.md,
     "Session memory"). When a streamed output has external data, the returned model refers to
@@ -165,17 +166,18 @@ def _pipeline(
     else:
         proto, input_files = read_model(model)
     stream = not isinstance(model, onnx.ModelProto) and not options.whole_model
-    if not stream and proto is not model:
+    owned = proto is not model  # loaded here: the export may rewrite it in place
+    if not stream and owned:
         TensorStore().inline(proto)  # onnxsim and the sensitivity analysis need every weight in memory
     if output is None:
         store = TensorStore() if stream else None
-        quantized, summary = _export(proto, store, options)
+        quantized, summary = _export(proto, store, options, owned)
         if store is not None:
             store.inline(quantized)
         return quantized, summary
     with OutputFiles(output, input_files) as files:
         if not stream:
-            quantized, summary = _export(proto, None, options)
+            quantized, summary = _export(proto, None, options, owned)
             _commit(files, quantized, quiet, options.external_data, consume=False)
             return quantized, summary
         progress = Progress(TensorStore().external_bytes(proto), quiet)
@@ -206,8 +208,9 @@ def export_with_summary(
 
 
 def _export(
-    model: onnx.ModelProto, tensors: TensorStore | None, options: ExportOptions
+    model: onnx.ModelProto, tensors: TensorStore | None, options: ExportOptions, owned: bool = False
 ) -> tuple[onnx.ModelProto, ExportSummary]:
+    int4_nodes = _int4_nodes(model)  # before an in-place rewrite (``owned``) adds ours
     note = None
     if options.simplify:
         model, note = simplify_model(model)
@@ -220,7 +223,7 @@ def _export(
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
-        quantized, summary = export_mixed(model, options)
+        quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
     if note:
         summary.warnings.insert(0, note)
     # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.
@@ -232,7 +235,7 @@ def _export(
                 f"target cosine {options.target_cosine} needs every layer in FP32: even {least.name!r} alone in INT4 "
                 f"gives {least.cosine_alone:.6f}; lower --target-cosine or check the calibration inputs"
             )
-        raise NothingToQuantize(summary, _int4_nodes(model))
+        raise NothingToQuantize(summary, int4_nodes)
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary
 

@@ -163,6 +163,8 @@ def collect(
     fit, out = empty(), (empty() if held else None)
     known = {i.name for i in session.get_inputs()}
     for b, batch in enumerate(batches):
+        if not names and not outputs:
+            continue  # nothing to fetch (ORT would return every output for an empty list)
         values = session.run([*outputs, *names], {k: v for k, v in batch.items() if k in known})
         if keep is not None:
             keep(b, values[: len(outputs)])

@@ -40,6 +40,7 @@ class Table:
     sources: list[str]
     bytes_before: int
     quantized: QuantizedWeight | None = None
+    given: QuantizedWeight | None = None  # its tied head's codes from a calibrated method (GPTQ), used as its own
     packed_name: str = ""
     scales_name: str = ""
     gather_name: str = ""  # the first Gather node reading it (a ``bits`` pattern may name it)
@@ -96,8 +97,10 @@ def plan_gather(node: onnx.NodeProto, scope: Scope, options: ExportOptions) -> T
 class Tables:
     """The embedding tables of one rewrite, each quantized once and written as two initializers of the main graph.
 
-    A table's width: ``widths[table.key]`` when given (``bits="auto"``: the tied head's
-    allocated width), else what the ``bits`` option gives its Gather's or its own name.
+    A table's codes: its tied head's (``Table.given``) when the rewrite was handed them (a
+    calibrated export: GPTQ's, fitted for the head, at the head's width); else its own, at
+    ``widths[table.key]`` when given (``bits="auto"``: the tied head's allocated width), else at
+    what the ``bits`` option gives its Gather's or its own name.
     """
 
     def __init__(
@@ -132,9 +135,12 @@ class Tables:
     def quantize(self, table: Table) -> QuantizedWeight:
         """``table``'s int4 form, made (and its two initializers written) on first use."""
         if table.quantized is None:
-            bits = self.widths.get(table.key) or width_of(self.options.bits, table.gather_name, table.name)
             o = self.options
-            qw = quantize_weight(table.value.T, o.group_size, o.scale_rule, bits, o.scale_dtype)
+            if table.given is not None:  # the tied head's calibrated codes, at the head's width
+                qw = table.given
+            else:
+                bits = self.widths.get(table.key) or width_of(o.bits, table.gather_name, table.name)
+                qw = quantize_weight(table.value.T, o.group_size, o.scale_rule, bits, o.scale_dtype)
             table.quantized = qw
             table.packed_name = self.fresh(f"{table.name}/int4_packed")
             table.scales_name = self.fresh(f"{table.name}/int4_scales")

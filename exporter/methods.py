@@ -37,6 +37,7 @@ from .rewrite import node_label
 from .scale_rules import AUTO_CHOICES
 from .summary import RuleChoice
 from .widths import width_of
+from .writer import TensorStore
 
 
 @dataclass
@@ -127,8 +128,13 @@ def _awq_model(
     return awq.apply_scales(model, sites, scales), scales
 
 
-def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions) -> Calibrated:
-    """Quantize every candidate layer of ``model`` with ``options.method`` on the calibration ``batches``."""
+def calibrate(
+    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions, tensors: TensorStore | None = None
+) -> Calibrated:
+    """Quantize every candidate layer of ``model`` with ``options.method`` on the calibration ``batches``.
+
+    ``tensors`` reads ``model``'s weights from their files (no AWQ then: it rewrites initializers).
+    """
     methods = ("rtn", "gptq", "awq", "awq+gptq") if options.method == "auto" else (options.method,)
     rules = AUTO_CHOICES if options.scale_rule == "auto" else (options.scale_rule,)
     pairs = [(m, r) for m in methods for r in rules]
@@ -136,7 +142,10 @@ def calibrate(model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportO
     # Calibrated methods compared on rows they were not fitted on (calibration.split).
     batches = list(batches)
     held = split(batches) if needs_stats and len(pairs) > 1 else []
-    probe = Probe(model, options, batches, calibrate=needs_stats)
+    probe = Probe(model, options, batches, calibrate=needs_stats, tensors=tensors)
+    # One pair and no layer to keep: the FP32 outputs serve once (the exported model's check), so they are
+    # run again then rather than held through the export (an LLM's logits: 100 MB and more a window).
+    probe.keep_reference = len(pairs) > 1 or options.target_cosine > 0
     result = Calibrated(model, probe, {})
     if not probe.candidates:
         return result

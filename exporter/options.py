@@ -86,7 +86,7 @@ class ExportOptions:
     method: str = DEFAULT_METHOD
     gptq_damp: float = DEFAULT_DAMP  # times mean(diag H), added to H's diagonal
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
-    gptq_act_order: bool = False  # sweep channels by decreasing H[k, k] (groups stay contiguous)
+    gptq_act_order: bool = True  # sweep channels by decreasing H[k, k] (groups stay contiguous); docs/methods.md
     keep_embedding: bool = False
     bits: Bits = DEFAULT_BITS
     bits_budget: float | None = None
@@ -126,8 +126,13 @@ class ExportOptions:
 
     @property
     def whole_model(self) -> bool:
-        """Whether the export needs every weight in memory (onnxsim and the sensitivity analysis do)."""
-        return self.simplify or self.feeds is not None
+        """Whether the export needs every weight in memory (onnxsim does; AWQ rewrites initializers in place;
+        ``bits="auto"`` allocates widths on the model in memory, exporter.allocate).
+
+        Other exports with feeds read each weight from the input file once, into the probe (exporter.probe).
+        """
+        awq = self.method in ("awq", "awq+gptq", "auto")
+        return self.simplify or (self.feeds is not None and (awq or self.bits == AUTO))
 
     def with_(self, **changes: Any) -> ExportOptions:
         """A copy with ``changes`` (field names); TypeError names an unknown one."""

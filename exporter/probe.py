@@ -9,8 +9,9 @@ calibration pass (``exporter.calibration``).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -27,6 +28,7 @@ from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Rewriter, run_rewrite
 from .subgraph import all_graphs
+from .writer import TensorStore
 
 # Probe weights are named from this prefix.
 PROBE_PREFIX = "cim_int4.probe."
@@ -42,10 +44,12 @@ class Candidate:
     weight_name: str
     w: np.ndarray
     bias: np.ndarray | None
+    also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
+    sources: tuple[str, ...] = ()  # the names the weight was read through
 
 
 class ProbeRewriter(Rewriter):
-    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph initializer per node."""
+    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph input per node."""
 
     quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
 
@@ -67,7 +71,7 @@ class ProbeRewriter(Rewriter):
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
         w = np.ascontiguousarray(plan.w, dtype=np.float32)
         self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
-        self.candidates.append(Candidate(key, w_name, w, plan.bias))
+        self.candidates.append(Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources)))
         if plan.bias is None:
             return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
         b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
@@ -99,24 +103,34 @@ class WeightFeeding:
 
 
 class _Originals:
-    """The main-graph initializers of the model being probed, read by name from it (no copy of their bytes)."""
+    """The main-graph initializers of the model being probed, read by name from it (no copy of their bytes).
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    With ``store`` (the model's weights left in their files, exporter.writer) they are read from there.
+    """
+
+    def __init__(self, model: onnx.ModelProto, store: TensorStore | None = None) -> None:
         self.tensors = {t.name: t for t in model.graph.initializer}
+        self.store = store
 
     def read(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The values of the original of ``tensor`` (a stub of the same name, or a tensor of a subgraph)."""
         original = self.tensors.get(tensor.name)
-        return numpy_helper.to_array(original if original is not None and not tensor.raw_data else tensor)
+        source = original if original is not None and not tensor.raw_data else tensor
+        return self.store.read(source) if self.store is not None else numpy_helper.to_array(source)
 
     def write(self, tensor: onnx.TensorProto) -> None:
         """Nothing to do: the probe writes no attribute tensors."""
 
-    def fill(self, graph: onnx.GraphProto) -> None:
-        """Give the stubs left in ``graph`` (initializers the probe still reads: norms, tables) their data."""
-        for t in graph.initializer:
+    def fill(self, model: onnx.ModelProto) -> None:
+        """Give the stubs left in ``model`` (initializers the probe still reads: norms, tables) their data.
+
+        From a ``store``, every tensor still in a file (subgraphs' too) is read into the proto.
+        """
+        for t in model.graph.initializer:
             if t.name in self.tensors and _is_stub(t):
                 t.CopyFrom(self.tensors[t.name])
+        if self.store is not None:
+            self.store.inline(model)
 
 
 def _is_stub(t: onnx.TensorProto) -> bool:
@@ -138,13 +152,13 @@ def _copy_fields(src: Message, dst: Message, skip: str) -> None:
             setattr(dst, desc.name, value)
 
 
-def _hollow(model: onnx.ModelProto) -> tuple[onnx.ModelProto, _Originals]:
+def _hollow(model: onnx.ModelProto, store: TensorStore | None = None) -> tuple[onnx.ModelProto, _Originals]:
     """A copy of ``model`` whose main-graph initializers are stubs (name, type, dims), and the originals' reader.
 
     The rewrite reads the weights it folds from the originals; run_rewrite's own copy then
     copies no weight bytes.
     """
-    originals = _Originals(model)
+    originals = _Originals(model, store)
     hollow = onnx.ModelProto()
     _copy_fields(model, hollow, skip="graph")
     _copy_fields(model.graph, hollow.graph, skip="initializer")
@@ -154,22 +168,65 @@ def _hollow(model: onnx.ModelProto) -> tuple[onnx.ModelProto, _Originals]:
     return hollow, originals
 
 
-def probe_model(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, list[Candidate]]:
+def probe_model(
+    model: onnx.ModelProto, options: ExportOptions, tensors: TensorStore | None = None
+) -> tuple[onnx.ModelProto, list[Candidate]]:
     """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
 
     Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
     feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
     The weights are graph inputs without initializers: a session of the probe is fed the
-    candidates' arrays (``WeightFeeding``).
+    candidates' arrays (``WeightFeeding``), and an initializer other nodes still read that equals
+    a candidate's weight (a tied embedding table) is an input fed the same array (``Candidate.also``).
+    With ``tensors`` (``model``'s weights in their files) each weight is read from there once.
     """
-    hollow, originals = _hollow(model)
+    hollow, originals = _hollow(model, tensors)
     out, rewriter = run_rewrite(hollow, options, lambda m: ProbeRewriter(m, options, originals))
     del hollow
     assert isinstance(rewriter, ProbeRewriter)
-    graph = out.graph
-    originals.fill(graph)
-    graph.input.extend(rewriter.probe_weights)
-    return out, rewriter.candidates
+    out.graph.input.extend(rewriter.probe_weights)
+    candidates = _share_weights(out.graph, rewriter.candidates, originals)
+    originals.fill(out)
+    return out, candidates
+
+
+def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], originals: _Originals) -> list[Candidate]:
+    """Turn an initializer still read by other nodes that equals a candidate's weight into an input fed with it.
+
+    A tied LM head's weight is also the embedding table (behind a Transpose): without this the
+    session would hold a second FP32 copy of the largest tensor of the model.
+    """
+    by_source = {c.sources[0]: i for i, c in enumerate(candidates) if len(c.sources) == 1}
+    inputs = {i.name for i in graph.input}
+    kept, shared = [], {}
+    for t in graph.initializer:
+        i = by_source.get(t.name) if t.name not in inputs else None
+        c = None if i is None else candidates[i]
+        if c is None or t.data_type != onnx.TensorProto.FLOAT or tuple(t.dims) != c.w.shape:
+            kept.append(t)
+            continue
+        if not np.array_equal(originals.read(t), c.w):
+            kept.append(t)
+            continue
+        shared[t.name] = i
+    if not shared:
+        return candidates
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(candidates[i].w.shape))
+                       for n, i in shared.items())  # fmt: skip
+    out = list(candidates)
+    for name, i in shared.items():
+        out[i] = replace(out[i], also=(*out[i].also, name))
+    return out
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after a big model copy is dropped); no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _compact(x: np.ndarray) -> np.ndarray:
@@ -179,13 +236,23 @@ def _compact(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
+def compact_outputs(outputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Model outputs kept for a later comparison, float16 where that stays finite."""
+    return [_compact(o) for o in outputs]
+
+
 class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
 
     def __init__(
-        self, model: onnx.ModelProto, options: ExportOptions, batches: Sequence[Feeds], calibrate: bool = False
+        self,
+        model: onnx.ModelProto,
+        options: ExportOptions,
+        batches: Sequence[Feeds],
+        calibrate: bool = False,
+        tensors: TensorStore | None = None,
     ) -> None:
-        probe, self.candidates = probe_model(model, options)
+        probe, self.candidates = probe_model(model, options, tensors)
         self.outputs = [o.name for o in probe.graph.output]
         readers = {
             n.input[1]: (n.input[0], g is probe.graph)
@@ -200,13 +267,17 @@ class Probe:
         if calibrate:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         quiet = ort.SessionOptions()
-        quiet.log_severity_level = 3  # ORT warns that overridable initializers are not constant-folded
-        weights = {c.weight_name: c.w for c in self.candidates}
+        quiet.log_severity_level = 3
+        # No arena: it would keep the largest run's activations (an LLM's attention and logits) for good.
+        quiet.enable_cpu_mem_arena = False
+        weights = {name: c.w for c in self.candidates for name in (c.weight_name, *c.also)}
         self.session = WeightFeeding(proto_session(probe, quiet), weights) if self.candidates else None
         del probe
+        release_memory()
         self.batches = list(batches)
         self.runs = 0
         self._reference: dict[int, list[np.ndarray]] | None = None
+        self.keep_reference = True  # False: FP32 outputs are run again when asked for (when used once)
         self._compact = False
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
@@ -251,6 +322,8 @@ class Probe:
         return outs
 
     def _keep(self, index: int, outs: list[np.ndarray]) -> None:
+        if not self.keep_reference:
+            return
         if self._reference is None:
             # As they are when all fit, else as float16 (an LLM's logits) when that fits, else not kept.
             size = sum(o.nbytes for o in outs) * len(self.batches)
@@ -258,14 +331,18 @@ class Probe:
             if size <= REFERENCE_BYTES or sum(_compact(o).nbytes for o in outs) * len(self.batches) <= REFERENCE_BYTES:
                 self._reference = {}
         if self._reference is not None:
-            self._reference[index] = [_compact(o) for o in outs] if self._compact else outs
+            self._reference[index] = compact_outputs(outs) if self._compact else outs
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
-        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs are kept too."""
+        """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs kept too, if asked."""
         assert self.session is not None
         tensors = {self.inputs[c.key]: c.w.shape[0] for c in self.candidates if c.key in self.measured}
         self.runs += len(self.batches)
-        return collect(self.session, tensors, self.batches, held, self.outputs, self._keep)
+        # Not kept: not fetched either (an LLM's logits and KV cache would be made and dropped every run).
+        outputs = self.outputs if self.keep_reference else []
+        found = collect(self.session, tensors, self.batches, held, outputs, self._keep)
+        release_memory()
+        return found
 
     def input_power(self) -> dict[str, np.ndarray]:
         """Candidate key -> ``E[x_k^2]`` per input channel over the batches (``calibrate=True``; main graph only).

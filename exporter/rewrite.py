@@ -152,6 +152,8 @@ class Rewriter:
         initializers: list[onnx.TensorProto] = []
         # Tables first, so that a tied LM head finds its embedding wherever the two nodes sit.
         gathers = self.plan_tables(graph, scope, path) if self.quantize_tables else {}
+        if gathers and self.quantized:
+            self.give_tied_heads(graph, scope, path)
         for index, node in enumerate(graph.node):
             label = node_label(node, index)
             for attr_label, body in subgraphs(node):
@@ -171,10 +173,7 @@ class Rewriter:
                 pattern = _excluded(node.name, self.patterns)
                 if pattern is not None:
                     raise Ineligible(f"excluded by pattern {pattern!r}")
-                if node.op_type == "MatMul":
-                    plan = plan_matmul(node, scope, lambda x: self.rank_of(x, scope))
-                else:
-                    plan = plan_gemm(node, scope)
+                plan = self.plan(node, scope)
                 k, n = plan.w.shape
                 if k < self.group_size:
                     raise Ineligible(f"K={k} is smaller than group_size={self.group_size}")
@@ -209,6 +208,32 @@ class Rewriter:
             for offset, extra in enumerate(rest, 1):
                 graph.node.insert(index + offset, extra)
         graph.initializer.extend(initializers)
+
+    def plan(self, node: onnx.NodeProto, scope: Scope) -> Plan:
+        """The Plan of a MatMul/Gemm ``node``; Ineligible says why there is none."""
+        if node.op_type == "MatMul":
+            return plan_matmul(node, scope, lambda x: self.rank_of(x, scope))
+        return plan_gemm(node, scope)
+
+    def give_tied_heads(self, graph: onnx.GraphProto, scope: Scope, path: str) -> None:
+        """Hand each table the weights already quantized for its tied LM head (GPTQ's, error-compensated).
+
+        The head is the layer those codes were fitted for; the table then shares them, as it
+        shares its own round-to-nearest codes with the head without calibration.
+        """
+        shapes = {t.value.shape for t in self.tables.tables}
+        for index, node in enumerate(graph.node):
+            key = f"{path}{node_label(node, index)}"
+            qw = None if key in self.keep else self.quantized.get(key)
+            if qw is None or (qw.n, qw.k) not in shapes or node.op_type not in ("MatMul", "Gemm"):
+                continue
+            try:
+                plan = self.plan(node, scope)
+            except Ineligible:
+                continue
+            table = self.tables.tied(plan.w)
+            if table is not None and table.quantized is None:
+                table.given = qw
 
     def plan_tables(self, graph: onnx.GraphProto, scope: Scope, path: str) -> dict[int, Table]:
         """The Gathers of ``graph`` on a constant table that become CimInt4Gather (by node index); others skipped."""
@@ -342,11 +367,17 @@ class Rewriter:
 
 
 def run_rewrite(
-    model: onnx.ModelProto, options: ExportOptions, make: Callable[[onnx.ModelProto], Rewriter]
+    model: onnx.ModelProto,
+    options: ExportOptions,
+    make: Callable[[onnx.ModelProto], Rewriter],
+    in_place: bool = False,
 ) -> tuple[onnx.ModelProto, Rewriter]:
-    """Rewrite a copy of ``model`` with the Rewriter ``make(copy)`` returns; the copy and the rewriter."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    """Rewrite a copy of ``model`` (``model`` itself if ``in_place``) with the Rewriter ``make(copy)``; both."""
+    if in_place:
+        out = model
+    else:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     dropped = drop_stray_imports(out)
     rewriter = make(out)
     summary = rewriter.summary
@@ -376,6 +407,7 @@ def rewrite_model(
     quantized: Mapping[str, QuantizedWeight] | None = None,
     tensors: TensorIO | None = None,
     table_widths: Mapping[str, int] | None = None,
+    in_place: bool = False,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """A copy of ``model`` with every eligible MatMul/Gemm replaced by CimInt4MatMul, and the summary.
 
@@ -384,9 +416,10 @@ def rewrite_model(
     ``tensors`` reads weights held outside the proto and takes each new attribute tensor as it
     is made (the exporter streams them to the output file); by default everything is inline.
     ``table_widths`` maps embedding tables (their Gather's data input) to a width (``bits="auto"``).
+    ``in_place``: rewrite ``model`` itself (no copy of its weights; the caller is done with it).
     """
     options = options or ExportOptions()
     out, rewriter = run_rewrite(
-        model, options, lambda m: Rewriter(m, options, keep, quantized, tensors, table_widths)
+        model, options, lambda m: Rewriter(m, options, keep, quantized, tensors, table_widths), in_place
     )
     return out, rewriter.summary

@@ -18,8 +18,8 @@ Before step 2, ``exporter.methods.calibrate`` quantizes every layer: with scale 
 method ``auto`` it runs the model with every layer INT4 under each (method, rule) pair and
 keeps the pair with the better *mean* cosine over the calibration rows (the worst row of a
 small batch is too noisy to choose by); GPTQ and AWQ first gather each layer's input
-statistics (``exporter.calibration``). ``target_cosine=0`` stops after one run with every
-layer INT4: no layer is kept FP32 and no per-layer run is made.
+statistics (``exporter.calibration``). ``target_cosine=0`` keeps no layer FP32 and makes no
+probe run with INT4 weights: the exported model's check (below) is the every-layer-INT4 cosine.
 
 The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterable of dicts):
 every run goes over all of them, and cosines are taken per row of each.
@@ -32,7 +32,7 @@ output and per index of its first axis (the batch), the worst over all of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -44,12 +44,13 @@ from .allocate import allocate
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import Probe
+from .probe import REFERENCE_BYTES, Probe, compact_outputs, release_memory
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
 from .summary import ExportSummary, LayerSensitivity, MixedPrecision, RuleChoice
 from .widths import AUTO
+from .writer import TensorStore
 
 
 def calibration_feeds(source: str | os.PathLike | Feeds, model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -76,14 +77,14 @@ def plan(
 
 
 def _plan(
-    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions
+    model: onnx.ModelProto, feeds: Feeds | Sequence[Feeds], options: ExportOptions, tensors: TensorStore | None = None
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, QuantizedWeight], MixedPrecision, Probe]:
     """``plan``, and the probe it ran (its FP32 outputs serve the exported model's check)."""
     target_cosine = options.target_cosine
     if not 0.0 <= target_cosine <= 1.0:
         raise ValueError(f"target_cosine must be in [0, 1] (0: keep no layer FP32), got {target_cosine!r}")
     batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
-    chosen = calibrate(model, batches, options)
+    chosen = calibrate(model, batches, options, tensors)
     probe, candidates, quantized = chosen.probe, chosen.probe.candidates, chosen.quantized
     report = MixedPrecision(target_cosine=target_cosine, rule_choice=chosen.choice, awq_inputs=chosen.awq_inputs)
     report.method = options.method
@@ -105,9 +106,9 @@ def _plan(
         report.runs = probe.runs + chosen.other_runs
 
     if target_cosine == 0.0:
-        if 0 not in cosine_at:
-            cosine_at[0] = run(everyone)
-        report.cosine_all_int4 = report.cosine_probe = cosine_at[0]
+        # Unless the method choice measured it, the exported model's check gives this cosine
+        # (export_mixed): no probe run feeding every dequantized weight (a second FP32-sized copy).
+        report.cosine_all_int4 = report.cosine_probe = cosine_at.get(0)
         report.layers = [LayerSensitivity(c.key, c.w.nbytes, float("nan"), False) for c in candidates]
         finish()
         return chosen.model, {}, quantized, report, probe
@@ -144,50 +145,94 @@ def choose_rule(cosine: Mapping[str, float]) -> RuleChoice:
     return RuleChoice({rule: float(cosine[rule]) for rule in AUTO_CHOICES})
 
 
-def export_mixed(model: onnx.ModelProto, options: ExportOptions) -> tuple[onnx.ModelProto, ExportSummary]:
-    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds."""
+def export_mixed(
+    model: onnx.ModelProto, options: ExportOptions, owned: bool = False, tensors: TensorStore | None = None
+) -> tuple[onnx.ModelProto, ExportSummary]:
+    """Rewrite ``model`` keeping its most sensitive layers FP32 so its outputs reach the target cosine on the feeds.
+
+    ``owned``: the caller is done with ``model``, which is then rewritten in place (no second copy of its weights).
+    ``tensors``: ``model``'s weights stay in their files, read from there (and the output's written) as in
+    ``rewrite_model``; the probe then holds the only copy of them in memory.
+    """
     if options.feeds is None:
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
     if options.bits == AUTO:
-        return _export_auto_widths(model, batches, options)
-    chosen, keep, quantized, report, probe = _plan(model, batches, options)
-    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized)
-    del chosen
+        return _export_auto_widths(model, batches, options, in_place=owned)
+    chosen, keep, quantized, report, probe = _plan(model, batches, options, tensors)
+    reference = None
+    if not probe.keep_reference:
+        # The FP32 outputs were not held through the export: run them now, kept compact if they fit
+        # REFERENCE_BYTES, and drop the probe (its FP32 weights) before the exported model's session exists.
+        before, kept = probe.runs, []
+        for i in range(len(batches)):
+            kept.append(compact_outputs(probe.reference(i)))
+            if sum(o.nbytes for o in kept[0]) * len(batches) > REFERENCE_BYTES:
+                kept = []  # too big: the check runs them again in the probe, as it is
+                break
+        report.runs += probe.runs - before
+        if kept:
+            reference = kept.__getitem__
+            probe.session, probe.candidates = None, []
+    in_place = owned or chosen is not model
+    out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)
+    del chosen, model
+    release_memory()
     summary.mixed_precision = report
     if report.rule_choice is not None:
         summary.scale_rule = f"auto: {report.rule_choice.chosen}"
     elif options.method != "rtn" or options.scale_rule == "auto":
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
-        report.cosine_exported = _exported_cosine(out, probe, summary)
+        before = probe.runs
+        report.cosine_exported = _exported_cosine(out, probe, summary, reference, tensors)
+        report.runs += probe.runs - before
+        if report.cosine_probe is None:  # target 0: the exported model is the every-layer-INT4 model
+            report.cosine_all_int4 = report.cosine_probe = report.cosine_exported
     return out, summary
 
 
-def _exported_cosine(out: onnx.ModelProto, probe: Probe, summary: ExportSummary) -> float | None:
-    """Worst cosine of the exported model (run with the op library) vs the probe's FP32 outputs on the batches.
+def _exported_cosine(
+    out: onnx.ModelProto,
+    probe: Probe,
+    summary: ExportSummary,
+    reference: Callable[[int], list[np.ndarray]] | None = None,
+    tensors: TensorStore | None = None,
+) -> float | None:
+    """Worst cosine of the exported model (run with the op library) vs the FP32 outputs on the probe's batches.
 
-    None, with a warning in ``summary``, when the op library on this machine does not run the
-    model (widths or scale types whose kernels it does not have yet).
+    The FP32 outputs are ``reference(batch index)`` when given, else the probe's (kept, or run
+    again in its session: no second FP32 session). With ``tensors`` (a streamed export) ``out``'s
+    weights are in their files: a copy with them read back is run. None, with a warning in
+    ``summary``, when the op library on this machine does not run the model (widths or scale
+    types whose kernels it does not have yet).
     """
     probe.release_session()
+    check = out
+    if tensors is not None:  # the int4 tensors come back from the output's data file
+        check = onnx.ModelProto()
+        check.CopyFrom(out)
+        tensors.inline(check)
     try:
-        int4 = proto_session(out, session_options(pin=False))
+        int4 = proto_session(check, session_options(pin=False))
     except Exception as e:  # noqa: BLE001 - ORT raises several types for a node the library refuses
         summary.warnings.append(f"exported model not run here (ONNX Runtime: {str(e).splitlines()[0][:240]})")
         return None
-    # The probe's FP32 outputs (kept, or run again in its session): no second FP32 session.
-    cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+    del check
+    fp32 = reference or probe.reference
+    cos = [row_cosines(fp32(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
     return worst(np.concatenate(cos))
 
 
 def _export_auto_widths(
-    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions
+    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions, in_place: bool = False
 ) -> tuple[onnx.ModelProto, ExportSummary]:
     """``bits="auto"``: widths per layer (exporter.allocate), the rewrite, and the exported model's cosine."""
     keep, quantized, table_widths, allocation, probe = allocate(model, batches, options, options.bits_sensitivity)
-    out, summary = rewrite_model(model, options, keep=keep, quantized=quantized, table_widths=table_widths)
-    del quantized
+    out, summary = rewrite_model(
+        model, options, keep=keep, quantized=quantized, table_widths=table_widths, in_place=in_place
+    )
+    del quantized, model
     summary.allocation = allocation
     summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
     if summary.rewritten:

@@ -37,7 +37,7 @@ class MixedPrecision:
     target_cosine: float
     layers: list[LayerSensitivity] = field(default_factory=list)
     cosine_all_int4: float | None = None
-    cosine_probe: float = 1.0  # with the kept layers FP32, dequantized weights in ORT
+    cosine_probe: float | None = 1.0  # with the kept layers FP32, dequantized weights in ORT (None: not run)
     cosine_exported: float | None = None  # the exported model, CimInt4MatMul
     runs: int = 0
     rule_choice: RuleChoice | None = None  # scale rule or method "auto" only
@@ -76,7 +76,8 @@ class MixedPrecision:
             lines.append(f"    {what}: {self.rule_choice.chosen} (mean cosine, every layer INT4: {tried})")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
-        lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
+        if self.target_cosine != 0.0 and self.cosine_probe is not None:
+            lines.append(f"    with the kept layers FP32: cosine {self.cosine_probe:.6f} (dequantized weights in ORT)")
         if self.cosine_exported is not None:
             lines.append(f"    exported model run with CimInt4MatMul: cosine {self.cosine_exported:.6f}")
             if self.cosine_exported < self.target_cosine:

@@ -68,6 +68,8 @@ class TensorStore:
     def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
         """The raw bytes of an external ``tensor``."""
         location, offset, length = external_span(tensor)
+        if self.sink is not None and self.sink._data is not None and location == self.sink.data_name:
+            self.sink._data.flush()  # read back what this export has written so far
         with open(self._path(location), "rb") as f:
             f.seek(offset)
             data = f.read(length)

@@ -191,3 +191,27 @@ def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:
     head = max((x for x in summary.allocation.layers if x.bits is not None), key=lambda x: x.weights)
     assert {a.name: a.i for a in gathers[0].attribute}.get("bits", 4) == head.bits
     assert all({a.name: a.i for a in h.attribute}.get("bits", 4) == head.bits for h in heads)
+
+
+def test_auto_from_a_file_is_the_export_from_memory(tmp_path: Path) -> None:
+    """Other exports with feeds stream their weights from the file; bits="auto" allocates on the whole model."""
+    import json
+
+    from cim_int4.exporter import export_int4
+    from onnx import numpy_helper
+
+    folder = Path(__file__).parent / "genai" / "llama-tied-fp32"
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    model = onnx.load(folder / config["filename"])
+    ids = np.arange(1, 9, dtype=np.int64)[None, :]
+    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+    feeds = {i.name: ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask" else
+             np.arange(8, dtype=np.int64)[None, :] if i.name == "position_ids" else kv
+             for i in model.graph.input}  # fmt: skip
+    options = {"feeds": feeds, "bits": "auto", "bits_budget": 4.5, "scale_rule": "signed"}
+    export_int4(folder / config["filename"], tmp_path / "auto.onnx", quiet=True, external_data=True, **options)
+    mem, _ = export_with_summary(model, **options)
+    streamed = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "auto.onnx").graph.initializer}
+    assert streamed.keys() == {t.name for t in mem.graph.initializer}
+    for t in mem.graph.initializer:
+        np.testing.assert_array_equal(streamed[t.name], numpy_helper.to_array(t), err_msg=t.name)

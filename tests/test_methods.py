@@ -295,3 +295,42 @@ def test_layers_inside_subgraphs_fall_back_to_rounding() -> None:
         q, summary = export_with_summary(model, feeds=feeds, target_cosine=0.0, method=method, scale_rule="mse")
         assert len(summary.rewritten) == 3, summary.format()
     assert q.SerializeToString() == plain.SerializeToString()  # every layer is in a body: each method rounds
+
+
+TIED = Path(__file__).parent / "genai" / "llama-tied-fp32" / "model.onnx"
+
+
+def _tied_feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(0, 1000, (1, 12), dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in model.graph.input:
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((1, 2, 0, 16), np.float32)
+    return feeds
+
+
+def test_gptq_streamed_from_a_file_matches_in_memory_and_the_tied_table_gets_the_heads_codes(tmp_path: Path) -> None:
+    from cim_int4.exporter import export_int4, load_model
+
+    model = load_model(TIED)
+    feeds = [_tied_feeds(model, s) for s in range(3)]
+    options = {"method": "gptq", "scale_rule": "signed", "feeds": feeds, "target_cosine": 0.0}
+    out = tmp_path / "gptq.onnx"
+    export_int4(TIED, out, quiet=True, external_data=True, **options)  # weights read from the file, one at a time
+    mem, summary = export_with_summary(model, **options)
+    streamed = load_model(out)
+    tensors = {t.name: numpy_helper.to_array(t) for t in streamed.graph.initializer}
+    assert tensors.keys() == {t.name for t in mem.graph.initializer}
+    for t in mem.graph.initializer:
+        np.testing.assert_array_equal(tensors[t.name], numpy_helper.to_array(t), err_msg=t.name)
+    # The one int4 table (read by the Gather and the tied head) holds the head's GPTQ codes, not rounding's.
+    (packed,) = [t for t in mem.graph.initializer if t.name.endswith("int4_packed")]
+    head = next(n for n in mem.graph.node if n.op_type == OP_TYPE and packed.name in n.input)
+    w = next(t for t in model.graph.initializer if list(t.dims) == [64, 1000])  # the head's [K, N], the table's T
+    rtn = quantize_weight(numpy_helper.to_array(w), 32, "signed")
+    assert not np.array_equal(numpy_helper.to_array(packed), rtn.packed), head.name
+    # The probe feeds the head's FP32 weight to the table's Transpose too: no second copy in its session.
+    probe = Probe(model, ExportOptions(), [])
+    assert [c.also for c in probe.candidates if c.also] == [("lm_head.MatMul.weight",)]
+    # The calibration pass, then the check's FP32 reference run again (one pair, target 0: not kept meanwhile).
+    assert summary.mixed_precision.runs == 2 * len(feeds)

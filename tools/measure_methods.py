@@ -125,6 +125,7 @@ def _ort_gptq(folder: Path, feeds: list[dict[str, np.ndarray]], out: Path, group
         )
         quant.process()
         out.mkdir(parents=True, exist_ok=True)
+        os.chdir(out)  # onnx checks for an existing "model.onnx.data" in the working directory: not the input's
         quant.model.save_model_to_file(str(out / "model.onnx"), use_external_data_format=True)
     finally:
         os.chdir(here)

@@ -13,29 +13,39 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+# Elements of each side converted to float64 at a time (an LLM's logits are one row of 25M and more).
+_CHUNK = 1 << 20
+
 
 def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """float64 [rows, -1] views of each float output and its reference, a row per index of the first axis."""
+    """[rows, -1] views of each float output and its reference, a row per index of the first axis."""
     for ref, out in zip(reference, outputs, strict=True):
         ref, out = np.asarray(ref), np.asarray(out)
         if ref.dtype.kind != "f" or ref.size == 0:
             continue
         rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.astype(np.float64).reshape(rows, -1), out.astype(np.float64).reshape(rows, -1)
+        yield ref.reshape(rows, -1), out.reshape(rows, -1)
 
 
 def cosines(r: np.ndarray, o: np.ndarray) -> np.ndarray:
-    """Cosine of each row of float64 ``r`` [rows, n] with the same row of ``o``, under the module's rule."""
-    finite = np.isfinite(r) & np.isfinite(o)
-    if not finite.all():
-        same = (r == o) | (np.isnan(r) & np.isnan(o))
-        clash = (~finite & ~same).any(axis=1)
-        r, o = np.where(finite, r, 0.0), np.where(finite, o, 0.0)
-    else:
-        clash = np.zeros(r.shape[0], dtype=bool)
-    nr, no = np.linalg.norm(r, axis=1), np.linalg.norm(o, axis=1)
+    """Cosine of each row of ``r`` [rows, n] with the same row of ``o`` (sums in float64), under the module's rule."""
+    rows, n = r.shape
+    dot, rr, oo = np.zeros(rows), np.zeros(rows), np.zeros(rows)
+    clash = np.zeros(rows, dtype=bool)
+    step = max(1, _CHUNK // max(rows, 1))
+    for c in range(0, max(n, 1), step):
+        rc, oc = r[:, c : c + step].astype(np.float64), o[:, c : c + step].astype(np.float64)
+        finite = np.isfinite(rc) & np.isfinite(oc)
+        if not finite.all():
+            same = (rc == oc) | (np.isnan(rc) & np.isnan(oc))
+            clash |= (~finite & ~same).any(axis=1)
+            rc, oc = np.where(finite, rc, 0.0), np.where(finite, oc, 0.0)
+        dot += np.einsum("ij,ij->i", rc, oc)
+        rr += np.einsum("ij,ij->i", rc, rc)
+        oo += np.einsum("ij,ij->i", oc, oc)
+    nr, no = np.sqrt(rr), np.sqrt(oo)
     both = nr * no
-    cos = np.einsum("ij,ij->i", r, o) / np.where(both > 0, both, 1.0)
+    cos = dot / np.where(both > 0, both, 1.0)
     return np.where(clash, 0.0, np.where(both > 0, cos, (nr == 0) & (no == 0)))
 
 
@@ -55,6 +65,7 @@ def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -
     """``||out - ref|| / ||ref||`` of every row (index of the first axis) of every float output."""
     found = []
     for r, o in _rows(reference, outputs):
+        r, o = r.astype(np.float64), o.astype(np.float64)
         d, n = np.linalg.norm(o - r, axis=1), np.linalg.norm(r, axis=1)
         found.append(np.where(n > 0, d / np.where(n > 0, n, 1.0), np.where(d > 0, np.inf, 0.0)))
     return np.concatenate(found) if found else np.zeros(0)
