@@ -33,7 +33,7 @@ from onnx import numpy_helper
 
 from .calibration import Stats
 from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
-from .quantize import quantize
+from .quantize import DEFAULT_SCALE_DTYPE, quantize
 from .subgraph import all_graphs, defined_names, drop_unused
 
 ALPHAS = tuple(i / 20 for i in range(20))
@@ -145,16 +145,16 @@ def _axis_last(node: onnx.NodeProto) -> bool:
     return True  # every op in _GAINS defaults to the last axis
 
 
-def fake_quantize(w: np.ndarray, group_size: int, scale_rule: str) -> np.ndarray:
-    """float64 [K, N]: ``w`` quantized with the contract's rounding, dequantized."""
+def fake_quantize(w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: str = DEFAULT_SCALE_DTYPE) -> np.ndarray:
+    """float64 [K, N]: ``w`` quantized with the contract's rounding and ``scale_dtype`` scales, dequantized."""
     k = w.shape[0]
-    q, scales = quantize(w, group_size, scale_rule)
+    q, scales = quantize(w, group_size, scale_rule, scale_dtype=scale_dtype)
     deq = q.reshape(q.shape[0], -1, group_size).astype(np.float64) * scales[:, :, None]
     return deq.reshape(q.shape[0], -1)[:, :k].T
 
 
 def search(
-    weights: Sequence[np.ndarray], stats: Stats, group_size: int, scale_rule: str
+    weights: Sequence[np.ndarray], stats: Stats, group_size: int, scale_rule: str, scale_dtype: str = DEFAULT_SCALE_DTYPE
 ) -> tuple[np.ndarray, float, float]:
     """The scale ``s`` [K] for a layer input read by ``weights`` (each [K, N_i]), its loss, and alpha 0's loss."""
     w = np.concatenate(weights, axis=1).astype(np.float32)
@@ -173,7 +173,7 @@ def search(
             s[live] /= np.exp(np.log(s[live]).mean())
             s[~live] = 1.0
         s = s.astype(np.float32)
-        e = fake_quantize(w * s[:, None], group_size, scale_rule) / s[:, None].astype(np.float64) - w
+        e = fake_quantize(w * s[:, None], group_size, scale_rule, scale_dtype) / s[:, None].astype(np.float64) - w
         loss = float(np.einsum("kn,kn->", h @ e, e))
         if alpha == 0:
             plain = loss

@@ -16,6 +16,9 @@ Details, as in the reference implementation:
   column; the rest of the weight is updated once per block with one matrix product;
 * groups: a group's scale is chosen (by the export's scale rule) when the sweep reaches its
   first channel, from the weights as the sweep has updated them (groups found on the fly);
+* scales are rounded to the stored dtype (float16 by default; float32 when float16 cannot hold
+  the weight's round-to-nearest scales) as soon as they are chosen, so the sweep rounds and
+  spreads the error against the scales the op will read;
 * ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
   scale is chosen first, from the original weights, so the groups stay the op's contiguous K
   groups whatever the order).
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quantize import QuantizedWeight, pack
+from .quantize import DEFAULT_SCALE_DTYPE, QuantizedWeight, pack, stored_dtype, stored_scales
 from .scale_rules import group_scales
 
 DEFAULT_DAMP = 0.01
@@ -109,6 +112,7 @@ def gptq_quantize(
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     act_order: bool = False,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
 ) -> QuantizedWeight:
     """GPTQ of a float ``[K, N]`` weight given ``xtx`` = sum of x x^T [K, K] on the calibration rows (or its Factor)."""
     w = np.asarray(w, dtype=np.float32)
@@ -123,13 +127,15 @@ def gptq_quantize(
     # The block holds whole groups, so a group's scale is chosen from weights the block has updated.
     block = max(group_size, block - block % group_size)
     packed = np.empty((n, kp // 2), dtype=np.uint8)
-    scales = np.empty((n, groups), dtype=np.float32)
     step = max(1, _ROW_BLOCK_BYTES // (4 * kp))
+    scale_dtype = _stored_dtype(w, group_size, scale_rule, scale_dtype, step)
+    scales = np.empty((n, groups), dtype=np.dtype(scale_dtype))
+    chosen = _Chooser(scale_rule, scale_dtype)
     for r0 in range(0, n, step):
         wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
         wt[:, :k] = w[:, r0 : r0 + step].T
-        s = group_scales(wt.reshape(len(wt), groups, group_size), scale_rule) if static else None
-        q, s = _sweep(wt[:, perm], u, perm, group_size, scale_rule, block, s)
+        s = chosen(wt.reshape(len(wt), groups, group_size)) if static else None
+        q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
         codes = np.empty_like(q)
         codes[:, perm] = q
         packed[r0 : r0 + step] = pack(codes.astype(np.int8))
@@ -137,12 +143,35 @@ def gptq_quantize(
     return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)
 
 
+def _stored_dtype(w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: str, step: int) -> str:
+    """``scale_dtype``, or float32 when float16 cannot hold the weight's round-to-nearest scales (rows in blocks)."""
+    k, n = w.shape
+    kp = -(-k // group_size) * group_size
+    for r0 in range(0, n, step):
+        wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
+        wt[:, :k] = w[:, r0 : r0 + step].T
+        if stored_dtype(group_scales(wt.reshape(len(wt), -1, group_size), scale_rule), scale_dtype) != scale_dtype:
+            return "float32"
+    return scale_dtype
+
+
+@dataclass(frozen=True)
+class _Chooser:
+    """A group's scale by the export's rule, as stored (float32 values of the stored dtype)."""
+
+    scale_rule: str
+    scale_dtype: str
+
+    def __call__(self, blocks: np.ndarray) -> np.ndarray:
+        return stored_scales(group_scales(blocks, self.scale_rule), self.scale_dtype).astype(np.float32)
+
+
 def _sweep(
     wt: np.ndarray,
     u: np.ndarray,
     perm: np.ndarray,
     group_size: int,
-    scale_rule: str,
+    chosen: _Chooser,
     block: int,
     static: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +188,7 @@ def _sweep(
             col = i1 + i
             g = perm[col] // group_size
             if static is None and col % group_size == 0:
-                scales[:, g] = group_scales(w1[:, None, i : i + group_size], scale_rule)[:, 0]
+                scales[:, g] = chosen(w1[:, None, i : i + group_size])[:, 0]
             s = scales[:, g]
             c = w1[:, i]
             qc = _rounded(c, s)

@@ -83,7 +83,9 @@ def quantize_candidates(
                 factors.clear()  # readers of one input come together (q, k, v): one factor alive at a time
                 xtx = calibration.stats[x].xtx
                 factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
-            out[c.key] = gptq_quantize(c.w, factors[x], options.group_size, rule, block=options.gptq_block)
+            out[c.key] = gptq_quantize(
+                c.w, factors[x], options.group_size, rule, block=options.gptq_block, scale_dtype=options.scale_dtype
+            )
         else:
             bits = widths[c.key] if widths is not None else width_of(options.bits, c.key)
             out[c.key] = quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype)
@@ -120,7 +122,7 @@ def _awq_model(
     scales = {}
     for site in sites:
         weights = [readers[r].w for r in site.readers]
-        s, loss, plain = awq.search(weights, calibration.stats[site.x], options.group_size, rule)
+        s, loss, plain = awq.search(weights, calibration.stats[site.x], options.group_size, rule, options.scale_dtype)
         if loss < plain:
             scales[site.x] = s
     if not scales:

@@ -68,8 +68,8 @@ class ExportOptions:
       default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
       (docs/embeddings.md).
     * ``bits`` (an int, ``{node name or regex: bits}``, or ``"auto"``), ``bits_budget`` (average
-      bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"float32"`` or
-      ``"float16"``): the code width of each layer and the stored scales' type
+      bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"float16"``, the
+      default, or ``"float32"``): the code width of each layer and the stored scales' type
       (exporter.widths, exporter.allocate, docs/widths.md).
     """
 
@@ -108,10 +108,10 @@ class ExportOptions:
         check_scale_dtype(self.scale_dtype)
         if self.bits_sensitivity not in BITS_SENSITIVITIES:
             raise ValueError(f"bits_sensitivity must be one of {BITS_SENSITIVITIES}, got {self.bits_sensitivity!r}")
-        if self.method != "rtn" and (self.bits != DEFAULT_BITS or self.scale_dtype != DEFAULT_SCALE_DTYPE):
+        if self.method != "rtn" and self.bits != DEFAULT_BITS:
             raise ValueError(
-                f"method {self.method!r} quantizes at {DEFAULT_BITS} bits with float32 scales only; "
-                f"use method 'rtn' with bits={self.bits!r}, scale_dtype={self.scale_dtype!r}"
+                f"method {self.method!r} quantizes at {DEFAULT_BITS} bits only; "
+                f"use method 'rtn' with bits={self.bits!r}"
             )
         if self.bits_budget is not None:
             if self.bits != AUTO:

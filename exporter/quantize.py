@@ -2,8 +2,10 @@
 
 Written for 4 bits below; at another width b (``bits``) read 8 as ``2^(b-1)``, -8..7 as
 ``q_range(b)`` and the nibbles as the contract's little-endian bit stream. With
-``scale_dtype="float16"`` each scale is rounded to float16 (finite, so clamped to +-65504)
-*before* the codes are chosen, so the codes fit the scale the file actually stores.
+``scale_dtype="float16"`` (the default) each scale is rounded to float16 *before* the codes are
+chosen, so the codes fit the scale the file actually stores; a weight with a scale float16 cannot
+hold (beyond +-65504, or so small that float16 moves it by more than 2^-9 of itself) keeps float32
+scales, all of them.
 
 For a weight ``W`` of shape ``[K, N]`` (``y = x @ W``) and group size ``g``:
 
@@ -50,13 +52,15 @@ __all__ = [
     "QuantizedWeight",
     "check_group_size",
     "check_scale_dtype",
+    "fits_float16",
     "pack",
     "quantize",
     "quantize_weight",
 ]
-# Chosen by measurement: docs/accuracy.md.
+# Chosen by measurement: docs/accuracy.md (scale rule) and docs/widths.md (scale dtype: float16 scales
+# cost 0.5 bit per weight instead of 1.0 at group 32, within the noise in accuracy).
 DEFAULT_SCALE_RULE = "auto"
-DEFAULT_SCALE_DTYPE = "float32"
+DEFAULT_SCALE_DTYPE = "float16"
 _FLOAT16_MAX = np.float32(np.finfo(np.float16).max)
 
 
@@ -65,6 +69,33 @@ def check_scale_dtype(scale_dtype: str) -> str:
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
     return scale_dtype
+
+
+# A float16 scale may move a code by at most this fraction of its step (normal float16 rounds by <= 2^-11;
+# below ~3e-5 subnormals round coarser).
+_FLOAT16_SLACK = 2.0**-9
+
+
+def fits_float16(scales: np.ndarray) -> bool:
+    """Whether float16 holds every scale to within ``_FLOAT16_SLACK`` of its value (none overflows or underflows)."""
+    a = np.abs(scales[scales != 0]).astype(np.float32)
+    if a.size == 0:
+        return True
+    if float(a.max()) > float(_FLOAT16_MAX):
+        return False
+    return bool(np.all(np.abs(a.astype(np.float16).astype(np.float32) - a) <= a * np.float32(_FLOAT16_SLACK)))
+
+
+def stored_dtype(scales: np.ndarray, scale_dtype: str) -> str:
+    """The dtype ``scales`` are stored in: ``scale_dtype``, except float32 when float16 cannot hold them."""
+    return "float32" if scale_dtype == "float16" and not fits_float16(scales) else scale_dtype
+
+
+def stored_scales(scales: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """``scales`` as the op stores them, of ``scale_dtype`` (float16: clamped to its finite range)."""
+    if scale_dtype == "float16":
+        return np.clip(scales, -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16)
+    return scales.astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -93,7 +124,8 @@ def quantize(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in ``q_range(bits)`` and ``scales`` [N, groups].
 
-    ``scales`` are of ``scale_dtype`` (float32 or float16); the codes are those of the stored scales.
+    ``scales`` are of ``scale_dtype`` (float32 or float16; float32 when a scale would overflow or underflow
+    float16); the codes are those of the stored scales.
     """
     check_group_size(group_size)
     check_scale_rule(scale_rule)
@@ -111,8 +143,7 @@ def quantize(
     # Padding zeros never change a group's scale under any rule (all look at |w| extremes or
     # squared error, and a zero is exact on every grid).
     scales = group_scales(blocks, scale_rule, bits)
-    if scale_dtype == "float16":
-        scales = np.clip(scales, -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16)
+    scales = stored_scales(scales, stored_dtype(scales, scale_dtype))
     # scale 0 means every |w| of the group is below ~1e-44 (float16: ~3e-8), so w / 1 rounds to q = 0
     # (float16: to 0 or a code whose product with scale 0 is 0 all the same).
     stored = scales.astype(np.float32)
@@ -151,6 +182,8 @@ def quantize_weight(
     step = max(1, _BLOCK_BYTES // max(1, 4 * groups * group_size))
     for n0 in range(0, n, step):
         q, s = quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype)
+        if s.dtype != scales.dtype:  # float16 cannot hold this weight's scales: all of them float32
+            return quantize_weight(w, group_size, scale_rule, bits, "float32")
         packed[n0 : n0 + step] = pack(q, bits)
         scales[n0 : n0 + step] = s
     return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits)

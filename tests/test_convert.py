@@ -148,7 +148,7 @@ def one_node_model(node: onnx.NodeProto, inits: list[onnx.TensorProto], k: int) 
 @pytest.mark.parametrize(("k", "block"), [(64, 16), (75, 16), (70, 32), (200, 64), (256, 256)])
 def test_hand_made_nodes_with_bias_and_zero_points_8(k: int, block: int, rng: np.random.Generator) -> None:
     n = 12
-    qw = quantize_weight(random_weight(rng, k, n), block)
+    qw = quantize_weight(random_weight(rng, k, n), block, scale_dtype="float32")  # as MatMulNBits stores them
     blocks = qw.scales.shape[1]
     bias = rng.standard_normal(n, dtype=np.float32)
     zp = np.full((n, -(-blocks // 2)), 0x88, dtype=np.uint8)
@@ -175,7 +175,7 @@ def test_hand_made_nodes_with_bias_and_zero_points_8(k: int, block: int, rng: np
 
 def test_padding_codes_become_8(rng: np.random.Generator) -> None:
     k, n = 40, 8
-    qw = quantize_weight(random_weight(rng, k, n), 32)
+    qw = quantize_weight(random_weight(rng, k, n), 32, scale_dtype="float32")  # as MatMulNBits stores them
     b = qw.packed.copy()
     b[:, k // 2 :] = 0x3C  # garbage MatMulNBits never reads
     node, inits = nbits_node(qw, inputs={"B": numpy_helper.from_array(b.reshape(n, 2, 16), "B")})
@@ -200,7 +200,8 @@ def _zp(value: int, n: int = 12, blocks: int = 2) -> onnx.TensorProto:
     ],
 )
 def test_unconvertible_nodes_are_left_with_a_reason(inputs: dict, overrides: dict, reason: str) -> None:
-    qw = quantize_weight(random_weight(np.random.default_rng(0), 64, 12), 32)
+    # float32 scales, as MatMulNBits stores them for float32 activations
+    qw = quantize_weight(random_weight(np.random.default_rng(0), 64, 12), 32, scale_dtype="float32")
     tensors = {
         "zp7": _zp(0x77),
         "zpf": numpy_helper.from_array(np.full(24, 8.0, np.float32), "zp"),
@@ -225,7 +226,7 @@ def test_unconvertible_nodes_are_left_with_a_reason(inputs: dict, overrides: dic
 
 
 def test_weight_from_a_graph_input_is_left(rng: np.random.Generator) -> None:
-    qw = quantize_weight(random_weight(rng, 64, 12), 32)
+    qw = quantize_weight(random_weight(rng, 64, 12), 32, scale_dtype="float32")  # as MatMulNBits stores them
     node, inits = nbits_node(qw)
     model = one_node_model(node, inits, 64)
     model.graph.input.append(helper.make_tensor_value_info("nb_B", TensorProto.UINT8, [12, 2, 16]))

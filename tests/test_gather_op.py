@@ -205,7 +205,8 @@ def test_matmul_refuses_both_attributes_and_inputs() -> None:
 def test_matmul_table_inputs_must_be_constant() -> None:
     qw = quantized(64, 16)
     model = input_form(qw)
-    model.graph.input.append(helper.make_tensor_value_info("S", TensorProto.FLOAT, [16, 2]))  # now overridable
+    scales_type = helper.np_dtype_to_tensor_dtype(qw.scales.dtype)
+    model.graph.input.append(helper.make_tensor_value_info("S", scales_type, [16, 2]))  # now overridable
     with pytest.raises(Exception, match="input 2 'scales' must be a constant initializer"):
         make_session(model, threads=1)
 
@@ -213,7 +214,7 @@ def test_matmul_table_inputs_must_be_constant() -> None:
 def test_matmul_table_inputs_of_the_wrong_shape_fail_at_load() -> None:
     qw = quantized(64, 16)
     model = input_form(qw)
-    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones((16, 3), np.float32), "S"))
+    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones((16, 3), qw.scales.dtype), "S"))
     with pytest.raises(Exception, match=rf"{OP_TYPE} node 'head': input 'scales' has shape \[16, 3\]"):
         make_session(model, threads=1)
 

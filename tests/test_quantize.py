@@ -25,7 +25,7 @@ def test_negative_max_gives_minus_8_and_positive_max_clamps_to_7() -> None:
     w = np.zeros((16, 2), dtype=np.float32)
     w[:3, 0] = [-2.0, 1.0, 0.25]  # -max -> -8 exactly
     w[:3, 1] = [2.0, -1.0, -0.25]  # +max -> round(8) = 8, clamped to 7
-    q, scales = quantize(w, 16, "amax8")
+    q, scales = quantize(w, 16, "amax8", scale_dtype="float32")
     np.testing.assert_array_equal(scales, np.array([[0.25], [0.25]], dtype=np.float32))
     np.testing.assert_array_equal(q[0, :3], [-8, 4, 1])
     np.testing.assert_array_equal(q[1, :3], [7, -4, -1])
@@ -36,7 +36,7 @@ def test_all_zero_group_gives_scale_zero_and_code_zero() -> None:
     w = np.zeros((32, 2), dtype=np.float32)
     w[16:, 0] = np.linspace(-1.0, 1.0, 16, dtype=np.float32)  # channel 0: group 0 zero, group 1 not
     with np.errstate(all="raise"):  # a 0/0 inside quantize would raise here
-        q, scales = quantize(w, 16, "amax8")
+        q, scales = quantize(w, 16, "amax8", scale_dtype="float32")
     assert np.isfinite(scales).all()
     np.testing.assert_array_equal(scales[:, 0], [0.0, 0.0])
     assert scales[0, 1] == np.float32(1.0 / 8.0)
@@ -52,7 +52,7 @@ def test_scale_is_max_abs_over_8_per_group_and_channel() -> None:
     w = np.zeros((48, 2), dtype=np.float32)
     w[5, 0], w[20, 0], w[40, 0] = -8.0, 4.0, 0.5  # channel 0 groups: max 8, 4, 0.5
     w[0, 1], w[31, 1], w[47, 1] = 3.0, -6.0, -1e-3
-    _, scales = quantize(w, 16, "amax8")
+    _, scales = quantize(w, 16, "amax8", scale_dtype="float32")
     expected = np.array([[1.0, 0.5, 0.0625], [0.375, 0.75, np.float32(1e-3) / np.float32(8)]], dtype=np.float32)
     np.testing.assert_array_equal(scales, expected)
     assert scales.dtype == np.float32
@@ -61,7 +61,7 @@ def test_scale_is_max_abs_over_8_per_group_and_channel() -> None:
 def test_rounding_is_half_to_even() -> None:
     # max|w| = 8 makes scale exactly 1, so w / scale = w and every .5 is an exact tie.
     w = np.array([8.0, 0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 6.5, -7.5, 0.49, 4.51, 0, 0, 0, 0], dtype=np.float32)
-    q, scales = quantize(w[:, None], 16, "amax8")
+    q, scales = quantize(w[:, None], 16, "amax8", scale_dtype="float32")
     assert scales[0, 0] == 1.0
     np.testing.assert_array_equal(q[0], [7, 0, 2, 2, 4, 0, -2, -2, 6, -8, 0, 5, 0, 0, 0, 0])
 
@@ -69,7 +69,7 @@ def test_rounding_is_half_to_even() -> None:
 def test_k_padding_uses_code_8() -> None:
     k, n, g = 40, 3, 32  # groups = 2, K_padded = 64: 24 padding elements per row
     w = np.random.default_rng(5).standard_normal((k, n)).astype(np.float32) + 3.0  # no code 8 by accident
-    qw = quantize_weight(w, g, "amax8")
+    qw = quantize_weight(w, g, "amax8", scale_dtype="float32")
     assert qw.packed.shape == (n, 32) and qw.scales.shape == (n, 2)
     # Elements 40..63 are bytes 20..31; both nibbles are padding, code 8 each.
     assert (qw.packed[:, 20:] == 0x88).all()
@@ -82,7 +82,7 @@ def test_k_padding_uses_code_8() -> None:
 def test_dequantized_weight_is_within_half_a_step(group_size: int, rng: np.random.Generator) -> None:
     k, n = 300, 5
     w = rng.standard_normal((k, n)).astype(np.float32)
-    qw = quantize_weight(w, group_size, "amax8")
+    qw = quantize_weight(w, group_size, "amax8", scale_dtype="float32")
     deq = reference.dequantize(qw.packed, qw.scales, k, group_size)
     assert deq.shape == (k, n)
     # Round to nearest: |w - deq| <= scale / 2, except where w / scale > 7.5 rounds to 8 and is
@@ -117,7 +117,22 @@ def test_quantize_weight_fields() -> None:
     qw = quantize_weight(w, 16)
     assert (qw.k, qw.n, qw.group_size) == (50, 3, 16)
     assert qw.packed.dtype == np.uint8 and qw.packed.shape == (3, 32)
-    assert qw.scales.dtype == np.float32 and qw.scales.shape == (3, 4)
+    assert qw.scales.dtype == np.float16 and qw.scales.shape == (3, 4)  # the default scale dtype
+
+
+def test_scales_float16_cannot_hold_stay_float32() -> None:
+    """A weight whose scales overflow float16 (or sink below its precision) keeps float32 scales, all of them."""
+    rng = np.random.default_rng(3)
+    for factor in (1e6, 1e-7):
+        w = rng.standard_normal((64, 40)).astype(np.float32)
+        w[:, 7] *= np.float32(factor)  # one output channel far outside float16's range
+        qw = quantize_weight(w, 32, "signed")
+        assert qw.scales.dtype == np.float32, factor
+        ref = quantize_weight(w, 32, "signed", scale_dtype="float32")
+        np.testing.assert_array_equal(qw.packed, ref.packed)
+        np.testing.assert_array_equal(qw.scales, ref.scales)
+    plain = quantize_weight(rng.standard_normal((64, 40)).astype(np.float32), 32, "signed")
+    assert plain.scales.dtype == np.float16
 
 
 # ---------------------------------------------------------------- an exported node, byte for byte
@@ -143,7 +158,7 @@ def test_exported_node_attributes_pinned_byte_for_byte() -> None:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
-    out = export_int4(model, group_size=g, scale_rule="amax8", quiet=True)
+    out = export_int4(model, group_size=g, scale_rule="amax8", scale_dtype="float32", quiet=True)
     (node,) = out.graph.node
     assert (node.op_type, node.domain, node.name) == (OP_TYPE, OP_DOMAIN, "mm")
     attrs = {a.name: a for a in node.attribute}

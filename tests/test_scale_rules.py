@@ -70,7 +70,7 @@ def random_groups(rng: np.random.Generator, k: int = 96, n: int = 24) -> np.ndar
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_every_rule_keeps_the_code_contract(rule: str, rng: np.random.Generator) -> None:
     w = random_groups(rng, k=80)  # K = 80: the last group of 32 is half padding
-    q, scales = quantize(w, 32, rule)
+    q, scales = quantize(w, 32, rule, scale_dtype="float32")
     blocks = groups_of(w, 32)
     assert scales.dtype == np.float32 and scales.shape == (24, 3)
     assert np.isfinite(8 * scales.astype(np.float64)).all()
@@ -81,7 +81,7 @@ def test_every_rule_keeps_the_code_contract(rule: str, rng: np.random.Generator)
 
 def test_signed_rule_maps_the_largest_magnitude_to_minus_8(rng: np.random.Generator) -> None:
     w = random_groups(rng)
-    q, scales = quantize(w, 32, "signed")
+    q, scales = quantize(w, 32, "signed", scale_dtype="float32")
     for n, j, group in each_group(w, 32):
         assert scales[n, j] == np.float32(np.float32(extreme(group)) / np.float32(-8.0))
         assert q[n, 32 * j + int(np.argmax(np.abs(group) * (1 + 1e-9 * (group > 0))))] == -8
@@ -91,14 +91,14 @@ def test_signed_rule_maps_the_largest_magnitude_to_minus_8(rng: np.random.Genera
 def test_signed_rule_tie_takes_the_positive_value() -> None:
     w = np.zeros((16, 1), dtype=np.float32)
     w[2, 0], w[9, 0] = -3.0, 3.0
-    q, scales = quantize(w, 16, "signed")
+    q, scales = quantize(w, 16, "signed", scale_dtype="float32")
     assert scales[0, 0] == np.float32(-0.375)
     assert q[0, 9] == -8 and q[0, 2] == 7  # -3 / -0.375 = 8, clamped
 
 
 def test_mse_rule_is_the_best_documented_candidate(rng: np.random.Generator) -> None:
     w = random_groups(rng)
-    _, scales = quantize(w, 32, "mse")
+    _, scales = quantize(w, 32, "mse", scale_dtype="float32")
     for n, j, group in each_group(w, 32):
         got = sq_error(group, float(scales[n, j]))
         best = min(sq_error(group, s) for s in oracle_candidates(group))
@@ -110,7 +110,7 @@ def test_mse_rule_is_the_best_documented_candidate(rng: np.random.Generator) -> 
 def test_balanced_rule_beats_every_candidate_on_its_objective(rng: np.random.Generator) -> None:
     balance = BALANCE
     w = random_groups(rng, k=256, n=16)
-    _, scales = quantize(w, 32, "balanced")
+    _, scales = quantize(w, 32, "balanced", scale_dtype="float32")
     carry = 0.0
     for n, j, group in each_group(w, 32):
         carry = 0.0 if j == 0 else carry
@@ -132,7 +132,7 @@ def test_balanced_rule_cancels_the_error_sum_along_each_channel(rng: np.random.G
     w = rng.standard_normal((4096, 64)).astype(np.float32)
 
     def channel_sums(rule: str) -> np.ndarray:
-        q, scales = quantize(w, 32, rule)
+        q, scales = quantize(w, 32, rule, scale_dtype="float32")
         return (reference.dequantize(pack(q), scales, 4096, 32) - w).sum(axis=0)
 
     balanced, signed, mse = (np.abs(channel_sums(r)).mean() for r in ("balanced", "signed", "mse"))
@@ -145,7 +145,7 @@ def test_rules_handle_zero_tiny_and_huge_groups(rule: str) -> None:
     w[32:, 0] = 1e-42  # subnormal
     w[:, 1] = np.linspace(-3.4e38, 3.0e38, 64, dtype=np.float32)  # near FLT_MAX
     with np.errstate(divide="raise", invalid="raise"):  # no 0/0, no inf - inf
-        q, scales = quantize(w, 32, rule)
+        q, scales = quantize(w, 32, rule, scale_dtype="float32")
     assert np.isfinite(8 * scales.astype(np.float64)).all() and np.isfinite(8 * scales).all()
     assert scales[2].tolist() == [0.0, 0.0] and (q[2] == 0).all()
     assert scales[0, 0] == 0.0

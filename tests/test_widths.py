@@ -31,7 +31,7 @@ def _error(w: np.ndarray, bits: int, rule: str, scale_dtype: str = "float32") ->
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_signed_maps_the_largest_magnitude_to_the_lowest_code(bits: int) -> None:
     w = _weight()
-    q, scales = quantize(w, 32, "signed", bits)
+    q, scales = quantize(w, 32, "signed", bits, "float32")
     lo, hi = q_range(bits)
     assert q.min() >= lo and q.max() <= hi
     blocks = w.T.reshape(w.shape[1], -1, 32)
@@ -140,11 +140,11 @@ def test_export_writes_each_layer_at_its_width() -> None:
     assert f"{bpw:.3f}" in one.format()
 
 
-def test_default_export_writes_no_bits_attribute() -> None:
+def test_default_export_writes_no_bits_attribute_and_float16_scales() -> None:
     model = onnx.load(MODELS / "llama.onnx")
     out, _ = export_with_summary(model)
     nodes = [n for n in out.graph.node if n.domain == "dbhoo.cim"]
     assert nodes and not any(a.name == "bits" for n in nodes for a in n.attribute)
     assert all(
-        onnx.numpy_helper.to_array(a.t).dtype == np.float32 for n in nodes for a in n.attribute if a.name == "scales"
+        onnx.numpy_helper.to_array(a.t).dtype == np.float16 for n in nodes for a in n.attribute if a.name == "scales"
     )

@@ -3,8 +3,8 @@
 Runs in a separate heavy virtualenv (never the project's, never CI):
 
     python3 -m venv VENV
-    VENV/bin/pip install torch==2.13.* (the CPU wheel) transformers accelerate gguf onnx onnx-ir "onnxruntime==1.32.*" \\
-        onnxruntime-genai sentencepiece tokenizers
+    VENV/bin/pip install torch==2.13.* (the CPU wheel) transformers accelerate gguf onnx onnx-ir \\
+        "onnxruntime==1.32.*" onnxruntime-genai sentencepiece tokenizers
     VENV/bin/python tools/real_llm_models.py gemma3 --root /work/real
     VENV/bin/python tools/real_llm_models.py smollm2 --root /work/real
 

@@ -188,7 +188,7 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         "--scale-dtype",
         choices=tuple(SCALE_BITS),
         default=None,
-        help="stored type of the group scales (default float32)",
+        help="stored type of the group scales (default float16)",
     )
 
 
