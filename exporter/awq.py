@@ -145,7 +145,9 @@ def _axis_last(node: onnx.NodeProto) -> bool:
     return True  # every op in _GAINS defaults to the last axis
 
 
-def fake_quantize(w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: str = DEFAULT_SCALE_DTYPE) -> np.ndarray:
+def fake_quantize(
+    w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: str = DEFAULT_SCALE_DTYPE
+) -> np.ndarray:
     """float64 [K, N]: ``w`` quantized with the contract's rounding and ``scale_dtype`` scales, dequantized."""
     k = w.shape[0]
     q, scales = quantize(w, group_size, scale_rule, scale_dtype=scale_dtype)
@@ -154,7 +156,11 @@ def fake_quantize(w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: 
 
 
 def search(
-    weights: Sequence[np.ndarray], stats: Stats, group_size: int, scale_rule: str, scale_dtype: str = DEFAULT_SCALE_DTYPE
+    weights: Sequence[np.ndarray],
+    stats: Stats,
+    group_size: int,
+    scale_rule: str,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
 ) -> tuple[np.ndarray, float, float]:
     """The scale ``s`` [K] for a layer input read by ``weights`` (each [K, N_i]), its loss, and alpha 0's loss."""
     w = np.concatenate(weights, axis=1).astype(np.float32)
