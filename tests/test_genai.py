@@ -203,3 +203,19 @@ def test_exported_folder_takes_the_compute_mode_asked_for(compute: str, tmp_path
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     modes = {a.s.decode() for n in model.graph.node if n.op_type == OP_TYPE for a in n.attribute if a.name == "compute"}
     assert modes == {"int8" if compute == "auto" else compute}
+
+
+@pytest.mark.parametrize("scale_dtype", [None, "float32"])
+def test_exported_folder_takes_the_scale_dtype_asked_for(scale_dtype: str | None, tmp_path: Path) -> None:
+    # float16 scales unless asked otherwise (`cim-int4 genai --scale-dtype float32` keeps the older files).
+    args = ["genai", str(FP32), "-o", str(tmp_path / "out"), "-q"]
+    assert main(args + (["--scale-dtype", scale_dtype] if scale_dtype else [])) == 0
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    dtypes = {
+        onnx.numpy_helper.to_array(a.t).dtype.name
+        for n in model.graph.node
+        if n.op_type == OP_TYPE
+        for a in n.attribute
+        if a.name == "scales"
+    }
+    assert dtypes == {scale_dtype or "float16"}

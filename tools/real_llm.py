@@ -273,8 +273,9 @@ def llama_bench_tg(llama_bin: Path, gguf: Path, threads: int, tokens: int) -> fl
 
 
 def decode(root: Path, name: str, out_root: Path, threads: list[int], rounds: int, steps: int, llama: Path) -> None:
-    """Genai greedy decode tokens/s: FP32, MatMulNBits acc4, ``cim-int4 genai`` of the FP32 folder (default compute
-    int8, and fp32), interleaved per round; llama.cpp Q4_0 ``llama-bench`` tg in the same rounds. One JSON per round."""
+    """Genai greedy decode tokens/s: FP32, MatMulNBits acc4, ``cim-int4 genai`` of the FP32 folder (the default:
+    compute int8, float16 scales; float32 scales; compute fp32), interleaved per round; llama.cpp Q4_0
+    ``llama-bench`` tg in the same rounds. One JSON per round."""
     sys.path.insert(0, str(Path(__file__).parent))
     from embed_real import decode as genai_decode
 
@@ -282,13 +283,15 @@ def decode(root: Path, name: str, out_root: Path, threads: list[int], rounds: in
 
     base = out_root / name / "genai"
     base.mkdir(parents=True, exist_ok=True)
-    for compute in ("int8", "fp32"):
-        if not (base / compute / "genai_config.json").is_file():
-            prepare(root / name / "fp32", base / compute, compute="auto" if compute == "int8" else compute, quiet=True)
+    made = {"int8": {"compute": "auto"}, "fp32": {"compute": "fp32"}, "int8-f32": {"scale_dtype": "float32"}}
+    for folder, kwargs in made.items():
+        if not (base / folder / "genai_config.json").is_file():
+            prepare(root / name / "fp32", base / folder, quiet=True, **kwargs)
     folders = {
         "FP32": root / name / "fp32",
         "MatMulNBits acc4": root / name / "int4",
-        "cim-int4 genai (default: int8)": base / "int8",
+        "cim-int4 genai (default: int8, float16 scales)": base / "int8",
+        "cim-int4 genai --scale-dtype float32": base / "int8-f32",
         "cim-int4 genai --compute fp32": base / "fp32",
     }
     gguf = root / "llama.cpp" / name / "Q4_0.gguf"

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import NoReturn
 
-from .contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, SUPPORTED_GROUP_SIZES
+from .contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES
 from .exporter import (
     DEFAULT_SCALE_RULE,
     SCALE_RULES,
@@ -17,6 +17,7 @@ from .exporter import (
     export_int4,
 )
 from .exporter.options import CALIBRATED, DEFAULT_METHOD, DEFAULT_TARGET_COSINE, METHODS
+from .exporter.quantize import DEFAULT_SCALE_DTYPE
 from .ops.reference_backend import ReferenceBackendUnavailable, extensions_library
 from .report import MissingPlotting
 from .serving import commands as serving
@@ -62,6 +63,7 @@ def _genai(args: argparse.Namespace) -> int:
         group_size=args.group_size,
         quiet=args.quiet,
         keep_embedding=args.keep_embedding,
+        scale_dtype=args.scale_dtype,
     )
     return 0
 
@@ -159,7 +161,6 @@ def _bits_flag(text: str) -> object:
 
 def _add_widths(p: argparse.ArgumentParser) -> None:
     from .exporter.options import BITS_SENSITIVITIES
-    from .exporter.widths import SCALE_BITS
 
     p.add_argument(
         "--bits",
@@ -186,9 +187,9 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scale-dtype",
-        choices=tuple(SCALE_BITS),
+        choices=SCALE_DTYPES,
         default=None,
-        help="stored type of the group scales (default float16)",
+        help=f"stored type of the group scales (default {DEFAULT_SCALE_DTYPE})",
     )
 
 
@@ -293,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=SUPPORTED_GROUP_SIZES, help=group_help)
     p.add_argument(
         "--keep-embedding", action="store_true", help="when exported: leave the token embedding FP32 (see export)"
+    )
+    p.add_argument(
+        "--scale-dtype",
+        choices=SCALE_DTYPES,
+        default=DEFAULT_SCALE_DTYPE,
+        help=f"when exported: stored type of the group scales (default {DEFAULT_SCALE_DTYPE})",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_genai)

@@ -20,6 +20,7 @@ import onnx
 
 from .exporter import ExportError, NothingToQuantize, export_with_summary, load_model, save_model
 from .exporter.convert import NothingToConvert, convert_file
+from .exporter.quantize import DEFAULT_SCALE_DTYPE
 from .ops.library import LIBRARY_NAME, library_path
 
 CONFIG_NAME = "genai_config.json"
@@ -60,7 +61,9 @@ def copy_folder(src: Path, dst: Path, skip: set[Path]) -> None:
     )
 
 
-def _rewrite(path: Path, output: Path, compute: str, group_size: int, keep_embedding: bool) -> tuple[bool, str]:
+def _rewrite(
+    path: Path, output: Path, compute: str, group_size: int, keep_embedding: bool, scale_dtype: str
+) -> tuple[bool, str]:
     """Write the model at ``path`` with CimInt4MatMul nodes to ``output``; (False if nothing to do, what was done)."""
     try:
         return True, convert_file(path, output, compute=compute, quiet=True, external_data=True).format()
@@ -72,7 +75,7 @@ def _rewrite(path: Path, output: Path, compute: str, group_size: int, keep_embed
         # "auto" (take the mode from each MatMulNBits' accuracy_level) has nothing to read here.
         mode = EXPORT_COMPUTE if compute == "auto" else compute
         quantized, summary = export_with_summary(
-            model, group_size=group_size, keep_embedding=keep_embedding, compute=mode
+            model, group_size=group_size, keep_embedding=keep_embedding, compute=mode, scale_dtype=scale_dtype
         )
     except NothingToQuantize as e:
         return False, str(e)
@@ -99,12 +102,13 @@ def prepare(
     group_size: int = 32,
     quiet: bool = False,
     keep_embedding: bool = False,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
 ) -> Path:
     """Write a copy of the genai model folder ``source`` that runs CimInt4MatMul; return the new folder.
 
     Each ONNX model the config names is converted (MatMulNBits, see ``from_matmulnbits``;
     ``compute`` as there) or else exported from FP32 (``export_int4``, ``group_size``,
-    ``keep_embedding``, and ``compute``, "auto" meaning EXPORT_COMPUTE). The
+    ``keep_embedding``, ``scale_dtype`` and ``compute``, "auto" meaning EXPORT_COMPUTE). The
     op library is copied into the folder and named in each changed model's session options.
     ``output`` (default ``<source>-cim-int4``) must not exist; ``source`` is only read.
     """
@@ -134,7 +138,7 @@ def prepare(
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
             (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
-            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size, keep_embedding)
+            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size, keep_embedding, scale_dtype)
             reports.append(f"{filename} (model.{name}):\n{report}")
             if not rewritten:
                 continue
