@@ -143,21 +143,27 @@ def test_auto_without_feeds_is_a_one_line_error(llama) -> None:
         export_with_summary(model, bits="auto")
 
 
-def test_an_llm_is_scored_on_its_logits_alone() -> None:
-    """A decoder's KV-cache outputs outnumber its logits and never see the LM head: damages use the logits."""
+def _genai_decoder(name: str) -> tuple[Path, onnx.ModelProto, dict[str, np.ndarray]]:
+    """The decoder of tests/genai/NAME: its file, the model, feeds of 8 tokens and an empty past."""
     import json
 
+    folder = Path(__file__).parent / "genai" / name
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    model = onnx.load(folder / config["filename"])
+    ids = np.arange(1, 9, dtype=np.int64)[None, :]
+    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+    feeds = {i.name: ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask" else
+             np.arange(8, dtype=np.int64)[None, :] if i.name == "position_ids" else kv
+             for i in model.graph.input}  # fmt: skip
+    return folder / config["filename"], model, feeds
+
+
+def test_an_llm_is_scored_on_its_logits_alone() -> None:
+    """A decoder's KV-cache outputs outnumber its logits and never see the LM head: damages use the logits."""
     from cim_int4.exporter import ExportOptions
     from cim_int4.exporter.probe import Probe
 
-    folder = Path(__file__).parent / "genai" / "llama-fp32"
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    model = onnx.load(folder / config["filename"])
-    names = [i.name for i in model.graph.input]
-    ids = np.arange(1, 9, dtype=np.int64)[None, :]
-    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
-    feeds = {n: ids if n == "input_ids" else np.ones_like(ids) if n == "attention_mask" else
-             np.arange(8, dtype=np.int64)[None, :] if n == "position_ids" else kv for n in names}  # fmt: skip
+    _, model, feeds = _genai_decoder("llama-fp32")
     probe = Probe(model, ExportOptions(), [feeds])
     assert "logits" in probe.outputs and len(probe.outputs) > 1
     head = next(i for i, c in enumerate(probe.candidates) if c.w.shape[1] == probe.reference(0)[0].shape[-1])
@@ -174,16 +180,7 @@ def test_an_llm_is_scored_on_its_logits_alone() -> None:
 
 def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:
     """The genai builder stores a tied head once, [K, N], and the Gather reads it through a Transpose."""
-    import json
-
-    folder = Path(__file__).parent / "genai" / "llama-tied-fp32"
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    model = onnx.load(folder / config["filename"])
-    ids = np.arange(1, 9, dtype=np.int64)[None, :]
-    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
-    feeds = {i.name: ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask" else
-             np.arange(8, dtype=np.int64)[None, :] if i.name == "position_ids" else kv
-             for i in model.graph.input}  # fmt: skip
+    _, model, feeds = _genai_decoder("llama-tied-fp32")
     out, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=7.0, scale_rule="signed")
     gathers = [n for n in out.graph.node if is_op_node(n, GATHER)]
     heads = [n for n in out.graph.node if is_op_node(n, MATMUL_SHARED) and len(n.input) == 3]
@@ -195,21 +192,12 @@ def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:
 
 def test_auto_from_a_file_is_the_export_from_memory(tmp_path: Path) -> None:
     """Other exports with feeds stream their weights from the file; bits="auto" allocates on the whole model."""
-    import json
-
     from cim_int4.exporter import export_int4
     from onnx import numpy_helper
 
-    folder = Path(__file__).parent / "genai" / "llama-tied-fp32"
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    model = onnx.load(folder / config["filename"])
-    ids = np.arange(1, 9, dtype=np.int64)[None, :]
-    kv = np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
-    feeds = {i.name: ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask" else
-             np.arange(8, dtype=np.int64)[None, :] if i.name == "position_ids" else kv
-             for i in model.graph.input}  # fmt: skip
+    path, model, feeds = _genai_decoder("llama-tied-fp32")
     options = {"feeds": feeds, "bits": "auto", "bits_budget": 4.5, "scale_rule": "signed"}
-    export_int4(folder / config["filename"], tmp_path / "auto.onnx", quiet=True, external_data=True, **options)
+    export_int4(path, tmp_path / "auto.onnx", quiet=True, external_data=True, **options)
     mem, _ = export_with_summary(model, **options)
     streamed = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "auto.onnx").graph.initializer}
     assert streamed.keys() == {t.name for t in mem.graph.initializer}
