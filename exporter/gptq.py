@@ -16,8 +16,8 @@ Details, as in the reference implementation:
   column; the rest of the weight is updated once per block with one matrix product;
 * groups: a group's scale is chosen (by the export's scale rule) when the sweep reaches its
   first channel, from the weights as the sweep has updated them (groups found on the fly);
-* scales are rounded to the stored dtype (float16 by default; float32 when float16 cannot hold
-  the weight's round-to-nearest scales) as soon as they are chosen, so the sweep rounds and
+* scales are rounded to the stored dtype (float16 by default; float32 for the whole weight when
+  float16 cannot hold one of them) as soon as they are chosen, so the sweep rounds and
   spreads the error against the scales the op will read;
 * ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
   scale is chosen first, from the original weights, so the groups stay the op's contiguous K
@@ -128,31 +128,25 @@ def gptq_quantize(
     block = max(group_size, block - block % group_size)
     packed = np.empty((n, kp // 2), dtype=np.uint8)
     step = max(1, _ROW_BLOCK_BYTES // (4 * kp))
-    scale_dtype = _stored_dtype(w, group_size, scale_rule, scale_dtype, step)
     scales = np.empty((n, groups), dtype=np.dtype(scale_dtype))
     chosen = _Chooser(scale_rule, scale_dtype)
-    for r0 in range(0, n, step):
-        wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
-        wt[:, :k] = w[:, r0 : r0 + step].T
-        s = chosen(wt.reshape(len(wt), groups, group_size)) if static else None
-        q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
-        codes = np.empty_like(q)
-        codes[:, perm] = q
-        packed[r0 : r0 + step] = pack(codes.astype(np.int8))
-        scales[r0 : r0 + step] = s
+    try:
+        for r0 in range(0, n, step):
+            wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
+            wt[:, :k] = w[:, r0 : r0 + step].T
+            s = chosen(wt.reshape(len(wt), groups, group_size)) if static else None
+            q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
+            codes = np.empty_like(q)
+            codes[:, perm] = q
+            packed[r0 : r0 + step] = pack(codes.astype(np.int8))
+            scales[r0 : r0 + step] = s
+    except _NotStorable:  # float16 cannot hold a scale of this weight: all of them float32, as quantize_weight does
+        return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32")
     return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)
 
 
-def _stored_dtype(w: np.ndarray, group_size: int, scale_rule: str, scale_dtype: str, step: int) -> str:
-    """``scale_dtype``, or float32 when float16 cannot hold the weight's round-to-nearest scales (rows in blocks)."""
-    k, n = w.shape
-    kp = -(-k // group_size) * group_size
-    for r0 in range(0, n, step):
-        wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
-        wt[:, :k] = w[:, r0 : r0 + step].T
-        if stored_dtype(group_scales(wt.reshape(len(wt), -1, group_size), scale_rule), scale_dtype) != scale_dtype:
-            return "float32"
-    return scale_dtype
+class _NotStorable(Exception):
+    """A chosen scale that the stored dtype cannot hold (quantize.stored_dtype)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +157,10 @@ class _Chooser:
     scale_dtype: str
 
     def __call__(self, blocks: np.ndarray) -> np.ndarray:
-        return stored_scales(group_scales(blocks, self.scale_rule), self.scale_dtype).astype(np.float32)
+        s = group_scales(blocks, self.scale_rule)
+        if stored_dtype(s, self.scale_dtype) != self.scale_dtype:
+            raise _NotStorable
+        return stored_scales(s, self.scale_dtype).astype(np.float32)
 
 
 def _sweep(
