@@ -21,9 +21,7 @@ from cim_int4.bench.runner import run_suite
 from cim_int4.bench.tables import format_header, format_memory, format_table, memory_legend
 from cim_int4.bench.variants import BASELINES, COMPUTE_MODES, Variant
 from cim_int4.bench.workloads import Suite, chain
-
-# The decode variants each table runs untuned (ops/cpp/kernels/variants.h), per compute mode.
-FIXED = {"fp32": "t4-pf12k", "int8": "t4-pf6k"}
+from cim_int4.ops import tuning
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -31,9 +29,11 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     fp32, int8 = COMPUTE_MODES
     out = [*BASELINES, fp32, int8]
     if args.fixed:
+        # The decode variants this CPU's table runs untuned (ops/cpp/kernels/variants.h), per mode.
+        fixed = tuning.tune("auto", seconds=0.01, save=False)["default"]
         for mode in (fp32, int8):
             key = mode.name.split()[-1]
-            out.append(dataclasses.replace(mode, name=f"{mode.name} fixed", env=(("CIM_INT4_VARIANT", FIXED[key]),)))
+            out.append(dataclasses.replace(mode, name=f"{mode.name} fixed", env=(("CIM_INT4_VARIANT", fixed[key]),)))
     if args.avx2:
         out.append(dataclasses.replace(int8, name="cim-int4 int8 avx2", env=(("CIM_INT4_KERNEL", "avx2"),)))
     for name in args.variant:

@@ -71,6 +71,12 @@ constexpr int64_t block_bytes_of(int bits, int64_t group_size, bool scales_f16) 
   return group_size / chunk_codes(group_size) * chunk_bytes(bits, group_size) + kTileN * (scales_f16 ? 2 : 4);
 }
 
+// How many dot4 steps of codes of `bits` bits (u8 codes up to 2^bits - 1 times s8
+// activations in [-127, 127]) an int16 pair sum takes before it could pass 32767
+// (vpmaddubsw without VNNI, simd_avx2.h's pair_dot): 8 for 4-bit codes; 0 for 8-bit codes,
+// whose one step can already saturate.
+constexpr int pair_steps(int bits) { return bits >= 8 ? 0 : 32767 / (2 * 127 * ((1 << bits) - 1)); }
+
 struct PackedWeights {
   int64_t K = 0;
   int64_t N = 0;

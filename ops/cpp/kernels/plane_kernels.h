@@ -104,6 +104,41 @@ struct PlaneKernels {
     });
   }
 
+  // int8 mode at M = 1, vector x of the NT tiles alone (tile_kernels.h's int8_narrow):
+  // the whole group into d, the quads' int16 pair sums flushed every kFlush quads
+  // (pair_steps: never saturating), 8-bit codes one dot4_u8 per quad.
+  static constexpr int kFlush = pair_steps(kBits) < 8 ? pair_steps(kBits) : 8;  // 8, 4 or 2
+  template <int NT>
+  static CIM_INLINE I int8_vector(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q, int x,
+                                  I d) {
+    const int64_t per_chunk = chunk_codes(w.group_size);
+    const int64_t bytes = chunk_bytes(kBits, w.group_size);
+    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
+    for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
+      const uint8_t* chunk = blk[x / kVecs] + ch * bytes;
+      I s = S::zero_i();
+      static_for<8>([&](auto qc) {
+        constexpr int Q = decltype(qc)::value;
+        if (4 * Q >= per_chunk) return;
+        const I codes = quad<Q>(chunk, high, x % kVecs);
+        const I qv = S::set1_i32(load_i32(q + ch * per_chunk + 4 * Q));
+        if constexpr (kBits == 8) {
+          d = S::dot4_u8(d, codes, qv);
+        } else {
+          s = S::pair_dot(s, codes, qv);
+          if constexpr ((Q + 1) % kFlush == 0) {
+            d = S::pair_flush(d, s);
+            s = S::zero_i();
+          }
+        }
+      });
+      if constexpr (kBits != 8) {
+        if (per_chunk < 4 * kFlush) d = S::pair_flush(d, s);  // a short chunk (group size 16)
+      }
+    }
+    return d;
+  }
+
   // int8 mode: the whole group (codes past K are o and A's int8 copy is 0 there) into d.
   template <int NT, int R>
   static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],

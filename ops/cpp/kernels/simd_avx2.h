@@ -39,6 +39,7 @@ struct Avx2 {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F cvt(I x) { return _mm256_cvtepi32_ps(x); }
   static I loadi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void storei(uint8_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static I set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
 
   // For int8 mode's quantization of A.
@@ -107,6 +108,24 @@ struct Avx2 {
     } else {
       return dot4(acc, u8, s8);
     }
+  }
+
+  // dot4 steps summed in a cheaper form (start at zero_i(), then pair_flush into an int32
+  // sum): without VNNI, int16 pair sums, one vpmaddubsw + vpaddw per step and one vpmaddwd
+  // per flush instead of vpmaddubsw + vpmaddwd + vpaddd per step. The caller flushes
+  // before a pair sum could pass 32767 (pair_steps in kernel.h: 8 steps of 4-bit codes,
+  // 8 x 2 x 15 x 127 = 30480), so the sum is exact; with VNNI, vpdpbusd as in dot4.
+  static I zero_i() { return _mm256_setzero_si256(); }
+  static I pair_dot(I s, I u8, I s8) {
+    if constexpr (kDot == Dot::kMaddubs) {
+      return _mm256_add_epi16(s, _mm256_maddubs_epi16(u8, s8));
+    } else {
+      return dot4(s, u8, s8);
+    }
+  }
+  static I pair_flush(I acc, I s) {
+    if constexpr (kDot == Dot::kMaddubs) s = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, s);
   }
 
   // acc + sum of 4 products u8 x s8 per 32-bit lane (see simd_avx512.h for the bounds).

@@ -36,6 +36,7 @@ struct Avx512 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
   static I loadi(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void storei(uint8_t* p, I x) { _mm512_storeu_si512(p, x); }
   static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
 
   // For int8 mode's quantization of A.
@@ -97,6 +98,21 @@ struct Avx512 {
       const I hi = _mm512_madd_epi16(_mm512_maddubs_epi16(high_nibbles(u8), s8), ones);
       return _mm512_add_epi32(acc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
     }
+  }
+
+  // dot4 steps summed in a cheaper form (see simd_avx2.h): int16 pair sums without VNNI,
+  // vpdpbusd with it.
+  static I zero_i() { return _mm512_setzero_si512(); }
+  static I pair_dot(I s, I u8, I s8) {
+    if constexpr (kVnni) {
+      return _mm512_dpbusd_epi32(s, u8, s8);
+    } else {
+      return _mm512_add_epi16(s, _mm512_maddubs_epi16(u8, s8));
+    }
+  }
+  static I pair_flush(I acc, I s) {
+    if constexpr (!kVnni) s = _mm512_madd_epi16(s, _mm512_set1_epi16(1));
+    return _mm512_add_epi32(acc, s);
   }
 
   // acc + sum of 4 products u8 x s8 per 32-bit lane. Without VNNI: vpmaddubsw (pairs to

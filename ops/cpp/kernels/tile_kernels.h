@@ -242,6 +242,84 @@ struct TileKernels {
     store_acc<NT, R>(args, t0, m0, g1, acc);
   }
 
+  // int8 mode, M = 1, one vector of channels at a time ("n" variants): for each group,
+  // each vector of the NT tiles runs through the group's code rows alone and its sum
+  // waits in L1 (`sums`) between groups. The NT * kVecs accumulators of int8_block then
+  // need no registers: with 16 (AVX2) they and the group's int32 sums do not fit and spill
+  // inside the loop. Without VNNI the products go through int16 pair sums (pair_dot). The
+  // integer sums are exact in any order, and each output gets the same float operations
+  // in the same order as in int8_block.
+  template <int kBits, bool kF16, int NT, int64_t kAhead, int kHint>
+  static void int8_narrow(const MatMulArgs& args, int64_t t0) {
+    const PackedWeights& w = *args.W;
+    const QuantizedA& qa = *args.QA;
+    alignas(64) float sums[NT * kTileN] = {};
+    alignas(64) int32_t partial[NT * kTileN];  // 4-bit codes, group sizes over 32: the chunks' sums so far
+    const int64_t chunks = w.group_size / 32;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* blk[NT];
+      blocks_of<NT>(w, t0, g, blk);
+      prefetch_ahead<NT, kAhead, kHint>(w, blk);
+      const int8_t* q = qa.q + g * w.group_size;
+      const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[g]);
+      const F a_scale = S::set1(qa.scale[g]);
+      if constexpr (kBits == 4) {
+        if (chunks == 0) {  // group size 16: two code rows
+          narrow_chunk<kF16, NT, 2>(w, blk, q, 0, z, a_scale, true, true, partial, sums);
+        } else {
+          for (int64_t c = 0; c < chunks; ++c) {
+            narrow_chunk<kF16, NT, 4>(w, blk, q + 32 * c, 4 * c, z, a_scale, c == 0, c == chunks - 1, partial, sums);
+          }
+        }
+      } else {
+        static_for<NT * kVecs>([&](auto xc) {
+          constexpr int x = decltype(xc)::value;
+          const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
+          narrow_store<kF16, NT>(w, blk, x, d, a_scale, sums);
+        });
+      }
+    }
+    F acc[1][NT * kVecs];
+    for (int x = 0; x < NT * kVecs; ++x) acc[0][x] = S::load(sums + x * S::kLanes);
+    store_acc<NT, 1>(args, t0, 0, w.groups, acc);
+  }
+
+  // A group's integer sums d of vector x through the scales into `sums`.
+  template <bool kF16, int NT>
+  static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&blk)[NT], int x, I d, F a_scale,
+                                      float* sums) {
+    const F scale = S::mul(a_scale, scales_of<NT, kF16>(w, blk, x));
+    S::store(sums + x * S::kLanes, S::fma(S::cvt(d), scale, S::load(sums + x * S::kLanes)));
+  }
+
+  // kRows code rows (8 * kRows codes, at most pair_steps(4) / 2 rows per flush) from row v0
+  // of the NT blocks, activations q; the first chunk of a group starts from z, the last
+  // one's sums go through the scales into `sums`.
+  template <bool kF16, int NT, int kRows>
+  static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q,
+                                      int64_t v0, I z, F a_scale, bool first, bool last, int32_t* partial,
+                                      float* sums) {
+    static_assert(2 * kRows <= pair_steps(4), "int16 pair sums could saturate");
+    I qv[2 * kRows];
+    for (int r = 0; r < 2 * kRows; ++r) qv[r] = S::set1_i32(load_i32(q + 4 * r));
+    static_for<NT * kVecs>([&](auto xc) {
+      constexpr int x = decltype(xc)::value;
+      I s = S::zero_i();
+      for (int r = 0; r < kRows; ++r) {
+        const I row = code_row<NT>(blk, v0 + r, x);
+        s = S::pair_dot(s, S::low_nibbles(row), qv[2 * r]);
+        s = S::pair_dot(s, S::high_nibbles(row), qv[2 * r + 1]);
+      }
+      int32_t* p = partial + x * S::kLanes;
+      const I d = S::pair_flush(first ? z : S::loadi(reinterpret_cast<const uint8_t*>(p)), s);
+      if (last) {
+        narrow_store<kF16, NT>(w, blk, x, d, a_scale, sums);
+      } else {
+        S::storei(reinterpret_cast<uint8_t*>(p), d);
+      }
+    });
+  }
+
   // ---- drivers -----------------------------------------------------------------------
 
   // The compile-time choices of one call: code width, float16 scales, compute mode.
@@ -289,10 +367,16 @@ struct TileKernels {
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip take the default prefetch, one at a time.
-  template <class Fm, int NT, int64_t kAhead, int kHint>
+  // kNarrow: int8 mode runs int8_narrow (fp32 mode ignores it).
+  template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
+    if constexpr (kNarrow && Fm::kInt8) {
+      for (; t + NT <= tile_end; t += NT) int8_narrow<Fm::kBits, Fm::kF16, NT, kAhead, kHint>(args, t);
+      for (; t < tile_end; ++t) int8_narrow<Fm::kBits, Fm::kF16, 1, kAhead, kHint>(args, t);  // a short last strip
+      return;
+    }
     for (; t + NT <= tile_end; t += NT) block<Fm, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
     for (; t < tile_end; ++t) block<Fm, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
   }

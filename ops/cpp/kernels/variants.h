@@ -13,6 +13,7 @@
 // AVX-512 VL) are the cheap knobs; which wins is measured per machine, not assumed.
 #pragma once
 
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/kernel.h"
@@ -24,13 +25,13 @@ namespace {
 // A variant's matmul for codes of kBits bits: decode with traits D (the table's own S, or
 // its 256-bit form) and these parameters at M = 1; S's prefill otherwise (one prefill per
 // table). The weights' scale dtype picks the instantiation (once per call).
-template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint>
+template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
 void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
   auto run = [&](auto f16) {
     constexpr bool kF16 = decltype(f16)::value;
     if (args.M == 1) {
       using Fm = typename TileKernels<D>::template Form<kBits, kF16, kInt8>;
-      TileKernels<D>::template decode<Fm, NT, kAhead, kHint>(args, tile_begin, tile_end);
+      TileKernels<D>::template decode<Fm, NT, kAhead, kHint, kNarrow>(args, tile_begin, tile_end);
     } else {
       using Fm = typename TileKernels<S>::template Form<kBits, kF16, kInt8>;
       TileKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
@@ -43,10 +44,10 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
   }
 }
 
-template <class S, class D, int NT, int64_t kAhead, int kHint>
+template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
 constexpr KernelVariant variant(const char* name) {
-  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
-                              variant_matmul<S, D, 4, true, NT, kAhead, kHint>}};
+  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint, kNarrow>,
+                              variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow>}};
 }
 
 constexpr int kT0 = _MM_HINT_T0;
@@ -64,6 +65,12 @@ struct Variants {
       variant<S, S, 4, 6144, kNta>("t4-pf6k-nta"),
       variant<S, S, 4, 12288, kNta>("t4-pf12k-nta"),
       variant<S, S, 2, 6144, kT0>("t2-pf6k"),
+      // int8 mode one vector at a time, sums in L1 (tile_kernels.h's int8_narrow): for
+      // 16-register ISAs, where int8_block's accumulators spill (fp32 mode: as t4).
+      variant<S, S, 4, 12288, kT0, true>("n4-pf12k"),  // the avx2 table's int8 default (measured on Zen 3)
+      variant<S, S, 4, 6144, kT0, true>("n4-pf6k"),
+      variant<S, S, 4, 24576, kT0, true>("n4-pf24k"),
+      variant<S, S, 4, 0, kT0, true>("n4-nopf"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
       variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
   };
@@ -72,23 +79,40 @@ struct Variants {
 };
 
 // Per code width, the kernels at the defaults' decode parameters (4 tiles side by side,
-// 12 KiB prefetch in fp32 mode, 6 KiB in int8 mode). Entry 4 is the 4-bit default pair.
-template <class S>
+// 12 KiB prefetch in fp32 mode, 6 KiB in int8 mode; with kNarrow, int8 mode one vector at
+// a time as the n4 variants, 12 KiB). Entry 4 is the 4-bit default pair.
+template <class S, bool kNarrow>
 struct Widths {
   template <int kBits>
   static constexpr KernelVariant at(const char* name) {
     return KernelVariant{name, {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
-                                variant_matmul<S, S, kBits, true, 4, 6144, kT0>}};
+                                variant_matmul<S, S, kBits, true, 4, kNarrow ? 12288 : 6144, kT0, kNarrow>}};
   }
   static constexpr KernelVariant all[kMaxBits + 1] = {
       {}, {}, at<2>("bits2"), at<3>("bits3"), at<4>("bits4"), at<5>("bits5"), at<6>("bits6"), {}, at<8>("bits8")};
 };
 
-// The kernel table of traits S (and its 256-bit form Y).
-template <class S, class Y = S>
+// The index of the variant called `name` in Variants<S, Y>::all (a name that is not there
+// is a bug: the first variant then).
+template <class S, class Y>
+int variant_index(const char* name) {
+  for (int i = 0; i < Variants<S, Y>::count; ++i) {
+    if (std::strcmp(Variants<S, Y>::all[i].name, name) == 0) return i;
+  }
+  return 0;
+}
+
+// The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;
+// int8 mode t4-pf6k, or with kNarrowInt8 (16-register ISAs) n4-pf12k and the other
+// widths one vector at a time too.
+template <class S, class Y = S, bool kNarrowInt8 = false>
 KernelTable make_table(const char* name) {
-  return KernelTable{name,          Variants<S, Y>::all,          Variants<S, Y>::count, {1, 0},
-                     TileKernels<S>::quantize_a, Widths<S>::all};
+  return KernelTable{name,
+                     Variants<S, Y>::all,
+                     Variants<S, Y>::count,
+                     {variant_index<S, Y>("t4-pf12k"), variant_index<S, Y>(kNarrowInt8 ? "n4-pf12k" : "t4-pf6k")},
+                     TileKernels<S>::quantize_a,
+                     Widths<S, kNarrowInt8>::all};
 }
 
 }  // namespace

@@ -20,7 +20,7 @@ namespace cim {
 namespace {
 
 // Bump when the variant grid (kernels/variants.h) changes meaning: profiles re-tune.
-constexpr const char* kGridVersion = "g1";
+constexpr const char* kGridVersion = "g2";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
 CpuIdentity probe_identity() {
