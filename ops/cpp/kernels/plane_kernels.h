@@ -56,7 +56,7 @@ struct PlaneKernels {
     const int64_t bytes = chunk_bytes(kBits, w.group_size);
     const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
     for (int64_t ch = 0; ch * per_chunk < count; ++ch) {
-      static_for<8>([&](auto qc) {
+      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
         const int64_t j = ch * per_chunk + 4 * Q;  // offset of the quad in the group
         if (4 * Q >= per_chunk || j >= count) return;
@@ -88,7 +88,7 @@ struct PlaneKernels {
   template <int NT, int R, int J>
   static CIM_INLINE void fp32_quad(const I (&codes)[NT * kVecs], const float* const (&a)[R], int64_t k,
                                    F (&t)[R][NT * kVecs]) {
-    static_for<J>([&](auto bc) {
+    static_for<J>([&](auto bc) CIM_INLINE_LAMBDA {
       constexpr int B = decltype(bc)::value;
       constexpr int up = 32 - 8 * B - kBits;
       F wv[NT * kVecs];
@@ -117,7 +117,7 @@ struct PlaneKernels {
     for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
       const uint8_t* chunk = blk[x / kVecs] + ch * bytes;
       I s = S::zero_i();
-      static_for<8>([&](auto qc) {
+      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
         if (4 * Q >= per_chunk) return;
         const I codes = quad<Q>(chunk, high, x % kVecs);

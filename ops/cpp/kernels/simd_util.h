@@ -10,6 +10,9 @@ namespace cim {
 namespace {
 
 #define CIM_INLINE inline __attribute__((always_inline))
+// The same for a lambda's call operator: `[&](auto j) CIM_INLINE_LAMBDA { ... }` (left to
+// the inliner, GCC may call a static_for body out of line once the caller grows).
+#define CIM_INLINE_LAMBDA __attribute__((always_inline))
 
 // Calls f(std::integral_constant<int, j>) for j = 0 .. J-1, unrolled at compile time
 // (shift counts and lane positions must be immediates).

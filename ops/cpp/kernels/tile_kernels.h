@@ -142,7 +142,7 @@ struct TileKernels {
                                   F (&t)[R][NT * kVecs]) {
     I row[NT * kVecs];
     for (int x = 0; x < NT * kVecs; ++x) row[x] = S::fp32_codes(code_row<NT>(blk, v, x));
-    static_for<J>([&](auto jc) {
+    static_for<J>([&](auto jc) CIM_INLINE_LAMBDA {
       constexpr int j = decltype(jc)::value;
       F wv[NT * kVecs];
       for (int x = 0; x < NT * kVecs; ++x) wv[x] = S::template code_minus_8<j>(row[x]);
@@ -272,7 +272,7 @@ struct TileKernels {
           }
         }
       } else {
-        static_for<NT * kVecs>([&](auto xc) {
+        static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
           constexpr int x = decltype(xc)::value;
           const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
           narrow_store<kF16, NT>(w, blk, x, d, a_scale, sums);
@@ -302,7 +302,7 @@ struct TileKernels {
     static_assert(2 * kRows <= pair_steps(4), "int16 pair sums could saturate");
     I qv[2 * kRows];
     for (int r = 0; r < 2 * kRows; ++r) qv[r] = S::set1_i32(load_i32(q + 4 * r));
-    static_for<NT * kVecs>([&](auto xc) {
+    static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
       constexpr int x = decltype(xc)::value;
       I s = S::zero_i();
       for (int r = 0; r < kRows; ++r) {
