@@ -362,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_arguments(p)
     p.set_defaults(func=perplexity.run)
 
+    from . import op_profile
+
+    p = sub.add_parser("op-profile", help="per-operator time of one decode step of a causal LM (ORT's profiler)")
+    op_profile.add_arguments(p)
+    p.set_defaults(func=op_profile.run)
+
     p = sub.add_parser("demo", help="export the default decoder stack, validate it and time FP32 vs INT4")
     from .demo import add_arguments as demo_arguments
 

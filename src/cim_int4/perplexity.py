@@ -150,7 +150,7 @@ class CausalLM:
     label: str
     path: Path  # the ONNX file
     session: object
-    feeds_for: Callable[[np.ndarray], dict]
+    feeds_for: Callable[..., dict]  # (ids, past=0): feeds for ids after `past` cached tokens (zeros)
     context: int | None = None  # the longest sequence the model accepts, when its config says
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -167,9 +167,16 @@ _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float
 
 
 def open_model(
-    source: str | os.PathLike, threads: int | None = None, compute: str | None = None, label: str | None = None
+    source: str | os.PathLike,
+    threads: int | None = None,
+    compute: str | None = None,
+    label: str | None = None,
+    profile_prefix: str | None = None,
 ) -> CausalLM:
-    """Load an ONNX causal LM or a genai folder's decoder into an ORT session that can run CimInt4MatMul."""
+    """Load an ONNX causal LM or a genai folder's decoder into an ORT session that can run CimInt4MatMul.
+
+    ``profile_prefix``: turn on ORT's profiler, its JSON written at ``session.end_profiling()`` (op_profile.py).
+    """
     import onnxruntime as ort
 
     from .ops import session_options
@@ -201,6 +208,9 @@ def open_model(
         # No arena: each session would keep its peak activations (a window of logits, 0.5 GB
         # for a 262k vocabulary) between runs, and a call holds several sessions.
         so.enable_cpu_mem_arena = False
+        if profile_prefix is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = profile_prefix
         session = ort.InferenceSession(os.fspath(path), sess_options=so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT's load errors are plain exceptions; say which file
         raise PerplexityError(f"{path}: onnxruntime cannot load it ({' '.join(str(e).split())[:300]})") from e
@@ -215,14 +225,16 @@ def open_model(
         if dtype is None:
             raise PerplexityError(f"{path}: input {name!r} has type {inp.type}, which the tool cannot feed")
         if name == "input_ids":
-            makers.append(lambda ids, n=name, t=dtype: (n, ids[None, :].astype(t)))
+            makers.append(lambda ids, past, n=name, t=dtype: (n, ids[None, :].astype(t)))
         elif name == "attention_mask":
-            makers.append(lambda ids, n=name, t=dtype: (n, np.ones((1, len(ids)), dtype=t)))
+            makers.append(lambda ids, past, n=name, t=dtype: (n, np.ones((1, past + len(ids)), dtype=t)))
         elif name == "position_ids":
-            makers.append(lambda ids, n=name, t=dtype: (n, np.arange(len(ids), dtype=t)[None, :]))
+            makers.append(lambda ids, past, n=name, t=dtype: (n, np.arange(past, past + len(ids), dtype=t)[None, :]))
         elif _is_past(name):
             shape = _empty_past_shape(path, name, inp.shape, kv_dims)
-            makers.append(lambda ids, n=name, t=dtype, s=shape: (n, np.zeros(s, dtype=t)))
+            makers.append(
+                lambda ids, past, n=name, t=dtype, s=shape: (n, np.zeros((*s[:2], past, s[3]), dtype=t))
+            )
         else:
             raise PerplexityError(
                 f"{path}: input {name!r} is none of input_ids, attention_mask, position_ids, past key/values"
@@ -230,8 +242,8 @@ def open_model(
     if not any(i.name == "input_ids" for i in session.get_inputs()):
         raise PerplexityError(f"{path}: no 'input_ids' input")
 
-    def feeds_for(ids: np.ndarray) -> dict:
-        return dict(make(ids) for make in makers)
+    def feeds_for(ids: np.ndarray, past: int = 0) -> dict:
+        return dict(make(ids, past) for make in makers)
 
     return CausalLM(label, path, session, feeds_for, context)
 

@@ -1,0 +1,75 @@
+"""cim-int4 op-profile: one decode step's kernel time per op type and role, from ORT's profiler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from cim_int4.cli import main
+from cim_int4.genai import prepare
+from cim_int4.op_profile import BETWEEN, EMBEDDING, LM_HEAD, breakdown, node_roles
+from cim_int4.perplexity import PerplexityError, open_model
+
+FIXTURES = Path(__file__).parent / "genai"  # made by tests/genai/make_models.py
+FP32 = FIXTURES / "llama-fp32"
+
+
+def _decoder(folder: Path) -> Path:
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    return folder / config["filename"]
+
+
+def test_the_head_is_the_weight_op_that_makes_the_logits_and_the_table_gather_is_the_embedding() -> None:
+    graph = onnx.load(_decoder(FP32)).graph
+    roles = node_roles(_decoder(FP32))
+    (head,) = [n for n, r in roles.items() if r == LM_HEAD]
+    (embedding,) = [n for n, r in roles.items() if r == EMBEDDING]
+    producer = {o: n for n in graph.node for o in n.output}
+    assert producer["logits"].name == head
+    assert {n.name: n.op_type for n in graph.node}[embedding] == "Gather"
+
+
+def test_a_decode_step_after_a_cached_prefix_feeds_consistent_shapes() -> None:
+    """feeds_for(ids, past): mask past + len(ids) long, positions from past, caches of past tokens."""
+    model = open_model(FP32)
+    feeds = model.feeds_for(np.array([5], dtype=np.int64), 7)
+    assert feeds["attention_mask"].shape == (1, 8)
+    if "position_ids" in feeds:
+        assert feeds["position_ids"].tolist() == [[7]]
+    past = [v for k, v in feeds.items() if k.startswith("past")]
+    assert past and all(v.shape[2] == 7 for v in past)
+    logits = model.session.run(["logits"], feeds)[0]
+    assert logits.shape[:2] == (1, 1) and np.isfinite(logits).all()
+
+
+def test_fp32_and_cim_int4_decoders_are_broken_down_by_role(tmp_path: Path) -> None:
+    fp32 = breakdown(FP32, past=16, steps=3, threads=1)
+    assert fp32.nodes[LM_HEAD] == 1 and fp32.nodes[EMBEDDING] == 1 and fp32.nodes["MatMul"] > 0
+    assert all(us >= 0 for us in fp32.rows.values()) and fp32.rows[LM_HEAD] > 0
+    assert fp32.step_us > 0 and BETWEEN in fp32.rows
+    cim = breakdown(prepare(FP32, tmp_path / "cim", quiet=True), past=16, steps=3, threads=1)
+    assert cim.nodes["CimInt4MatMul"] == fp32.nodes["MatMul"]  # every layer MatMul converted, the head aside
+    assert cim.nodes[LM_HEAD] == 1 and cim.nodes[EMBEDDING] == 1
+    assert "MatMul" not in cim.nodes
+    assert "CimInt4MatMul" in cim.format() and LM_HEAD in cim.format()
+
+
+def test_cli_writes_json_and_never_overwrites_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "ops.json"
+    assert main(["op-profile", str(FP32), "--past", "4", "--steps", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["past"] == 4 and row["steps"] == 2 and row["rows"][LM_HEAD] > 0
+    before = out.read_text()
+    assert main(["op-profile", str(FP32), "--steps", "2", "--json", str(out)]) == 1
+    assert "exists" in capsys.readouterr().err and out.read_text() == before
+
+
+def test_a_cache_longer_than_the_context_is_a_one_line_error() -> None:
+    with pytest.raises(PerplexityError, match="context"):
+        breakdown(FP32, past=10_000, steps=1)
+    with pytest.raises(PerplexityError, match="steps"):
+        breakdown(FP32, steps=0)
