@@ -17,11 +17,12 @@ import argparse
 import dataclasses
 import json
 
+from cim_int4.ops import tuning
+
 from cim_int4.bench.runner import run_suite
 from cim_int4.bench.tables import format_header, format_memory, format_table, memory_legend
 from cim_int4.bench.variants import BASELINES, COMPUTE_MODES, Variant
 from cim_int4.bench.workloads import Suite, chain
-from cim_int4.ops import tuning
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
