@@ -107,7 +107,7 @@ struct PlaneKernels {
   // int8 mode at M = 1, vector x of the NT tiles alone (tile_kernels.h's int8_narrow):
   // the whole group into d, the quads' int16 pair sums flushed every kFlush quads
   // (pair_steps: never saturating), 8-bit codes one dot4_u8 per quad.
-  static constexpr int kFlush = pair_steps(kBits) < 8 ? pair_steps(kBits) : 8;  // 8, 4 or 2
+  static constexpr int kFlush = pair_steps(kBits) < 8 ? pair_steps(kBits) : 8;  // 8, 4 or 2 (0: 8-bit, unused)
   template <int NT>
   static CIM_INLINE I int8_vector(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q, int x,
                                   I d) {

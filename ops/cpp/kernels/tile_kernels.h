@@ -366,8 +366,8 @@ struct TileKernels {
   // M = 1: NT tiles side by side (NT = 4: a whole strip, its part of the stream read
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
-  // of a short last strip take the default prefetch, one at a time.
-  // kNarrow: int8 mode runs int8_narrow (fp32 mode ignores it).
+  // of a short last strip go one at a time: with the default prefetch, or with kNarrow
+  // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's.
   template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;

@@ -13,6 +13,7 @@
 // AVX-512 VL) are the cheap knobs; which wins is measured per machine, not assumed.
 #pragma once
 
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -58,7 +59,7 @@ constexpr int kNta = _MM_HINT_NTA;
 template <class S, class Y>
 struct Variants {
   static constexpr KernelVariant all[] = {
-      variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's default (measured on Zen 5)
+      variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's default but for avx2's (measured on Zen 5)
       variant<S, S, 4, 12288, kT0>("t4-pf12k"),  // fp32 mode's default (measured on Zen 5)
       variant<S, S, 4, 0, kT0>("t4-nopf"),
       variant<S, S, 4, 24576, kT0>("t4-pf24k"),
@@ -66,7 +67,8 @@ struct Variants {
       variant<S, S, 4, 12288, kNta>("t4-pf12k-nta"),
       variant<S, S, 2, 6144, kT0>("t2-pf6k"),
       // int8 mode one vector at a time, sums in L1 (tile_kernels.h's int8_narrow): for
-      // 16-register ISAs, where int8_block's accumulators spill (fp32 mode: as t4).
+      // 16-register ISAs, where int8_block's accumulators spill (fp32 mode: as t4). The
+      // avx2_vnni table has 16 registers too but keeps t4-pf6k by default until measured.
       variant<S, S, 4, 12288, kT0, true>("n4-pf12k"),  // the avx2 table's int8 default (measured on Zen 3)
       variant<S, S, 4, 6144, kT0, true>("n4-pf6k"),
       variant<S, S, 4, 24576, kT0, true>("n4-pf24k"),
@@ -92,14 +94,14 @@ struct Widths {
       {}, {}, at<2>("bits2"), at<3>("bits3"), at<4>("bits4"), at<5>("bits5"), at<6>("bits6"), {}, at<8>("bits8")};
 };
 
-// The index of the variant called `name` in Variants<S, Y>::all (a name that is not there
-// is a bug: the first variant then).
+// The index of the variant called `name` in Variants<S, Y>::all. A name that is not there
+// is a bug in this file: abort when the table is made (every test's first kernel call).
 template <class S, class Y>
 int variant_index(const char* name) {
   for (int i = 0; i < Variants<S, Y>::count; ++i) {
     if (std::strcmp(Variants<S, Y>::all[i].name, name) == 0) return i;
   }
-  return 0;
+  std::abort();
 }
 
 // The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;

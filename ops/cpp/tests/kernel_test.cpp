@@ -99,6 +99,9 @@ struct Shape {
   int64_t lda, ldy;
   bool bias;
   bool wide_range;  // activations spread over many binades, to stress the bound
+  // Every code at its largest, every activation of a row +1 or -1 (int8 mode: q = +-127):
+  // the largest integer sums, where an int16 pair sum flushed too late would saturate.
+  bool extreme = false;
   // Floats between A's last row and its guard page (0: none), to start A off a 64-byte
   // line when K is a multiple of 16.
   int64_t a_pad = 0;
@@ -107,9 +110,9 @@ struct Shape {
 std::string describe(const Shape& s) {
   char buf[192];
   std::snprintf(buf, sizeof buf, "bits=%d scales=%s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " group=%" PRId64
-                " lda=%" PRId64 " ldy=%" PRId64 " bias=%d wide=%d a_pad=%" PRId64,
+                " lda=%" PRId64 " ldy=%" PRId64 " bias=%d wide=%d a_pad=%" PRId64 " extreme=%d",
                 s.bits, s.f16 ? "f16" : "f32", s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias),
-                int(s.wide_range), s.a_pad);
+                int(s.wide_range), s.a_pad, int(s.extreme));
   return buf;
 }
 
@@ -142,9 +145,15 @@ class Problem {
     }
     for (auto& b : bias_) b = 4.0f * uniform(rng);
     for (auto& a : a_) a = s.wide_range ? std::ldexp(uniform(rng), binade(rng)) : uniform(rng);
+    if (s.extreme) {
+      for (auto& c : codes_) c = static_cast<uint8_t>((1 << s.bits) - 1);
+      for (int64_t m = 0; m < s.M; ++m) {
+        for (int64_t k = 0; k < s.K; ++k) a_[m * s.lda + k] = m % 2 ? -1.0f : 1.0f;
+      }
+    }
     // Special groups for int8 mode's quantization of A: all zero, and so tiny (below
     // 127 / FLT_MAX) that the group counts as zero.
-    for (int64_t m = 0; m < s.M; ++m) {
+    for (int64_t m = 0; m < s.M && !s.extreme; ++m) {
       const int64_t g = m % groups_;
       const int64_t end = std::min(s.K, (g + 1) * s.group_size);
       for (int64_t k = g * s.group_size; k < end; ++k) {
@@ -461,14 +470,32 @@ std::vector<Shape> shapes() {
       }
     }
   }
+  // The largest integer sums, per group size and M = 1 (decode) and 3 (prefill), with K
+  // past several groups and N past a strip; every width below.
+  for (int64_t g : cim::contract::kGroupSizes) {
+    for (int64_t m : {1, 3}) {
+      Shape s;
+      s.M = m;
+      s.N = 77;
+      s.K = 4 * g + 3;
+      s.group_size = g;
+      s.lda = s.K;
+      s.ldy = s.N;
+      s.bias = false;
+      s.wide_range = false;
+      s.extreme = true;
+      out.push_back(s);
+    }
+  }
   // Every other width and scale dtype on an eighth of those shapes (a different eighth each,
-  // so that the sanitizer stage of CI stays within minutes).
+  // so that the sanitizer stage of CI stays within minutes), and on every extreme shape.
   const size_t base = out.size();
   int64_t combo = 0;
   for (int64_t bits : cim::contract::kBits) {
     for (bool f16 : {false, true}) {
       if (bits == 4 && !f16) continue;
-      for (size_t j = static_cast<size_t>(combo % 8); j < base; j += 8) {
+      for (size_t j = 0; j < base; ++j) {
+        if (j % 8 != static_cast<size_t>(combo % 8) && !out[j].extreme) continue;
         Shape s = out[j];
         s.bits = static_cast<int>(bits);
         s.f16 = f16;

@@ -22,7 +22,7 @@
 namespace cim {
 
 struct CpuIdentity {
-  std::string key;   // e.g. "AuthenticAMD-26-2-avx2.avx512.avx512vnni.avxvnni-g1"
+  std::string key;   // e.g. "AuthenticAMD-26-2-avx2.avx512.avx512vnni.avxvnni-g2"
   std::string name;  // brand string with vendor, family and model
 };
 const CpuIdentity& this_cpu();
