@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels/kernel.h"
@@ -94,27 +93,20 @@ struct Widths {
       {}, {}, at<2>("bits2"), at<3>("bits3"), at<4>("bits4"), at<5>("bits5"), at<6>("bits6"), {}, at<8>("bits8")};
 };
 
-// The index of the variant called `name` in Variants<S, Y>::all. A name that is not there
-// is a bug in this file: abort when the table is made (every test's first kernel call).
-template <class S, class Y>
-int variant_index(const char* name) {
-  for (int i = 0; i < Variants<S, Y>::count; ++i) {
-    if (std::strcmp(Variants<S, Y>::all[i].name, name) == 0) return i;
-  }
-  std::abort();
-}
-
 // The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;
 // int8 mode t4-pf6k, or with kNarrowInt8 (16-register ISAs) n4-pf12k and the other
-// widths one vector at a time too.
+// widths one vector at a time too. A default name the grid lacks is a bug in this file:
+// abort when the table is made (every test's first kernel call).
 template <class S, class Y = S, bool kNarrowInt8 = false>
 KernelTable make_table(const char* name) {
-  return KernelTable{name,
-                     Variants<S, Y>::all,
-                     Variants<S, Y>::count,
-                     {variant_index<S, Y>("t4-pf12k"), variant_index<S, Y>(kNarrowInt8 ? "n4-pf12k" : "t4-pf6k")},
-                     TileKernels<S>::quantize_a,
-                     Widths<S, kNarrowInt8>::all};
+  KernelTable table{name, Variants<S, Y>::all, Variants<S, Y>::count, {0, 0}, TileKernels<S>::quantize_a,
+                    Widths<S, kNarrowInt8>::all};
+  const KernelVariant* fp32 = table.find_variant("t4-pf12k");
+  const KernelVariant* int8 = table.find_variant(kNarrowInt8 ? "n4-pf12k" : "t4-pf6k");
+  if (fp32 == nullptr || int8 == nullptr) std::abort();
+  table.defaults[kFp32] = int(fp32 - table.variants);
+  table.defaults[kInt8] = int(int8 - table.variants);
+  return table;
 }
 
 }  // namespace
