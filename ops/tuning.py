@@ -65,7 +65,10 @@ def tune(kernel: str = "auto", seconds: float = 0.8, save: bool = True) -> dict[
 
 
 def current_variants(kernel: str = "auto") -> dict[str, Any]:
-    """The variants the op would run for ``kernel`` in a new process: {kernel, fp32, int8, source, message, ...}."""
+    """The variants the op would run for ``kernel`` in a new process: {kernel, fp32, int8, default, source, ...}.
+
+    ``default``: {fp32, int8}, the table's untuned variants (what runs with CIM_INT4_TUNE=off and no profile).
+    """
     return _call("cim_int4_variants", kernel.encode())
 
 

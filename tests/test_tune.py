@@ -113,11 +113,14 @@ def test_profile_entry_is_used_by_the_op(tmp_path: Path) -> None:
     if "avx2" not in KERNELS:
         pytest.skip("no x86 variants on this CPU")
     profile = tmp_path / "kernel-profile.json"
-    key = json.loads(_child(_CHOICE_CODE, {PROFILE_ENV: str(profile), TUNE_ENV: "off"}).stdout)["key"]
+    untuned = json.loads(_child(_CHOICE_CODE, {PROFILE_ENV: str(profile), TUNE_ENV: "off"}).stdout)
+    assert untuned["source"] == "defaults" and untuned["default"] == {"fp32": untuned["fp32"], "int8": untuned["int8"]}
+    key = untuned["key"]
     kernel = KERNELS[0]
     profile.write_text(json.dumps({f"{key}/{kernel}/int8": "t2-pf6k", f"{key}/{kernel}/fp32": "t4-nopf"}))
     choice = json.loads(_child(_CHOICE_CODE, {PROFILE_ENV: str(profile)}).stdout)
     assert (choice["int8"], choice["fp32"], choice["source"]) == ("t2-pf6k", "t4-nopf", f"profile {profile}")
+    assert choice["default"] == untuned["default"]  # the table's own, whatever the profile says
     # A name this build does not have: one line naming the file, the entry and the fallback.
     profile.write_text(json.dumps({f"{key}/{kernel}/int8": "t9-warp"}))
     run = _child(_SESSION_CODE, {PROFILE_ENV: str(profile)})

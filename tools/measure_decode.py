@@ -31,7 +31,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     out = [*BASELINES, fp32, int8]
     if args.fixed:
         # The decode variants this CPU's table runs untuned (ops/cpp/kernels/variants.h), per mode.
-        fixed = tuning.tune("auto", seconds=0.01, save=False)["default"]
+        fixed = tuning.current_variants()["default"]
         for mode in (fp32, int8):
             key = mode.name.split()[-1]
             out.append(dataclasses.replace(mode, name=f"{mode.name} fixed", env=(("CIM_INT4_VARIANT", fixed[key]),)))

@@ -73,8 +73,9 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
 }
 
 // The variants `kernel` runs in this process, as the op decides them (CIM_INT4_VARIANT,
-// the profile, else a tuning when CIM_INT4_TUNE allows). Reply: {"kernel", "fp32", "int8",
-// "source", "message", "cpu", "key", "profile"} or {"error"}.
+// the profile, else a tuning when CIM_INT4_TUNE allows), and the table's untuned defaults.
+// Reply: {"kernel", "fp32", "int8", "default": {"fp32", "int8"}, "source", "message", "cpu",
+// "key", "profile"} or {"error"}.
 extern "C" __attribute__((visibility("default"))) int cim_int4_variants(const char* kernel, char* out, size_t cap) {
   try {
     std::string error;
@@ -83,7 +84,10 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_variants(const ch
     cim::VariantChoice c;
     if (!cim::choose_variants(*table, c, error)) return error_reply(error, out, cap);
     return reply("{\"kernel\": " + cim::json_quoted(table->name) + ", \"fp32\": " + cim::json_quoted(c.variant[cim::kFp32]->name) +
-                     ", \"int8\": " + cim::json_quoted(c.variant[cim::kInt8]->name) + ", \"source\": " + cim::json_quoted(c.source) +
+                     ", \"int8\": " + cim::json_quoted(c.variant[cim::kInt8]->name) +
+                     ", \"default\": {\"fp32\": " + cim::json_quoted(table->default_variant(cim::kFp32).name) +
+                     ", \"int8\": " + cim::json_quoted(table->default_variant(cim::kInt8).name) + "}" +
+                     ", \"source\": " + cim::json_quoted(c.source) +
                      ", \"message\": " + cim::json_quoted(c.message) + ", \"cpu\": " + cim::json_quoted(cim::this_cpu().name) +
                      ", \"key\": " + cim::json_quoted(cim::this_cpu().key) + ", \"profile\": " + cim::json_quoted(cim::profile_path()) +
                      "}",
