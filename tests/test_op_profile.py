@@ -11,6 +11,7 @@ import pytest
 
 from cim_int4.cli import main
 from cim_int4.genai import prepare
+from cim_int4.genai_bench import decoder_file
 from cim_int4.op_profile import BETWEEN, EMBEDDING, LM_HEAD, breakdown, node_roles
 from cim_int4.perplexity import PerplexityError, open_model
 
@@ -18,14 +19,9 @@ FIXTURES = Path(__file__).parent / "genai"  # made by tests/genai/make_models.py
 FP32 = FIXTURES / "llama-fp32"
 
 
-def _decoder(folder: Path) -> Path:
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    return folder / config["filename"]
-
-
 def test_the_head_is_the_weight_op_that_makes_the_logits_and_the_table_gather_is_the_embedding() -> None:
-    graph = onnx.load(_decoder(FP32)).graph
-    roles = node_roles(_decoder(FP32))
+    graph = onnx.load(decoder_file(FP32)).graph
+    roles = node_roles(decoder_file(FP32))
     (head,) = [n for n, r in roles.items() if r == LM_HEAD]
     (embedding,) = [n for n, r in roles.items() if r == EMBEDDING]
     producer = {o: n for n in graph.node for o in n.output}
