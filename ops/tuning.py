@@ -92,12 +92,15 @@ def format_report(report: dict[str, Any]) -> str:
             share = read / t if t > 0 else 0.0
             name = row["name"]
             mark = "*" if report["chosen"][mode] == name else ("d" if report["default"][mode] == name else " ")
+            dropped = row[f"{mode}_rounds"] < report["rounds"]
+            mark = "x" if dropped else mark
             cells.append(f"{t * 1e3:8.2f} {row[f'{mode}_vs_default']:6.3f} {share:5.2f}{mark}")
         lines.append(f"{row['name']:<14} {cells[0]}  {cells[1]}")
     lines += [
         "",
         "/dflt: median over rounds of the time over the default's in the same round; /read: the streaming "
-        "read's time over the variant's",
+        "read's time (the faster of a read with and without software prefetch) over the variant's",
+        f"x: timed in fewer rounds, dropped as more than {report['drop_factor']:.2f}x the best one's /dflt",
         f"* chosen, d default (kept unless another is > {report['margin'] * 100:.0f}% faster, in the median and "
         f"in 3 of 4 rounds, over >= {report['min_rounds']} rounds): "
         f"fp32 {report['chosen']['fp32']}, int8 {report['chosen']['int8']}",

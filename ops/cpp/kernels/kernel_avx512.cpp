@@ -8,7 +8,7 @@
 namespace cim {
 
 const KernelTable& avx512_kernels() {
-  static const KernelTable table = make_table<Avx512<false>, Avx2<Dot::kMaddubs>>("avx512");
+  static const KernelTable table = make_table<Avx512<false>, Avx2<Dot::kMaddubs>>("avx512", "n4-pf6k");
   return table;
 }
 

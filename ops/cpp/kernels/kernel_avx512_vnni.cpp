@@ -9,7 +9,7 @@
 namespace cim {
 
 const KernelTable& avx512_vnni_kernels() {
-  static const KernelTable table = make_table<Avx512<true>, Avx2<Dot::kAvx512Vnni>>("avx512_vnni");
+  static const KernelTable table = make_table<Avx512<true>, Avx2<Dot::kAvx512Vnni>>("avx512_vnni", "n4-pf6k");
   return table;
 }
 

@@ -44,9 +44,11 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
   }
 }
 
+// kNarrow is int8 mode's alone: an n4 row's fp32 entry is the t4 row's very function (the
+// tuner times it once).
 template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
 constexpr KernelVariant variant(const char* name) {
-  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint, kNarrow>,
+  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
                               variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow>}};
 }
 
@@ -58,18 +60,17 @@ constexpr int kNta = _MM_HINT_NTA;
 template <class S, class Y>
 struct Variants {
   static constexpr KernelVariant all[] = {
-      variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's default but for avx2's (measured on Zen 5)
+      variant<S, S, 4, 6144, kT0>("t4-pf6k"),  // int8 mode's loop as tuned on Zen 5
       variant<S, S, 4, 12288, kT0>("t4-pf12k"),  // fp32 mode's default (measured on Zen 5)
       variant<S, S, 4, 0, kT0>("t4-nopf"),
       variant<S, S, 4, 24576, kT0>("t4-pf24k"),
       variant<S, S, 4, 6144, kNta>("t4-pf6k-nta"),
       variant<S, S, 4, 12288, kNta>("t4-pf12k-nta"),
       variant<S, S, 2, 6144, kT0>("t2-pf6k"),
-      // int8 mode one vector at a time, sums in L1 (tile_kernels.h's int8_narrow): for
-      // 16-register ISAs, where int8_block's accumulators spill (fp32 mode: as t4). The
-      // avx2_vnni table has 16 registers too but keeps t4-pf6k by default until measured.
+      // int8 mode one vector at a time, sums in L1 (tile_kernels.h's int8_narrow; fp32
+      // mode: as t4). Faster than t4 on every core measured (Zen 3, Zen 4).
       variant<S, S, 4, 12288, kT0, true>("n4-pf12k"),  // the avx2 table's int8 default (measured on Zen 3)
-      variant<S, S, 4, 6144, kT0, true>("n4-pf6k"),
+      variant<S, S, 4, 6144, kT0, true>("n4-pf6k"),  // the avx512 tables' int8 default (measured on Zen 4)
       variant<S, S, 4, 24576, kT0, true>("n4-pf24k"),
       variant<S, S, 4, 0, kT0, true>("n4-nopf"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
@@ -94,15 +95,17 @@ struct Widths {
 };
 
 // The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;
-// int8 mode t4-pf6k, or with kNarrowInt8 (16-register ISAs) n4-pf12k and the other
-// widths one vector at a time too. A default name the grid lacks is a bug in this file:
-// abort when the table is made (every test's first kernel call).
-template <class S, class Y = S, bool kNarrowInt8 = false>
-KernelTable make_table(const char* name) {
+// int8 mode `int8_default` (an n4 row: one vector at a time beat t4 by 1.4x on a Zen 3
+// and 1.7-2.3x on a Zen 4, docs/tuning.md); with kNarrowWidths the other code widths run
+// one vector at a time too (16-register ISAs: their t4 sums spill). A default name the
+// grid lacks is a bug in this file: abort when the table is made (every test's first
+// kernel call).
+template <class S, class Y = S, bool kNarrowWidths = false>
+KernelTable make_table(const char* name, const char* int8_default) {
   KernelTable table{name, Variants<S, Y>::all, Variants<S, Y>::count, {0, 0}, TileKernels<S>::quantize_a,
-                    Widths<S, kNarrowInt8>::all};
+                    Widths<S, kNarrowWidths>::all};
   const KernelVariant* fp32 = table.find_variant("t4-pf12k");
-  const KernelVariant* int8 = table.find_variant(kNarrowInt8 ? "n4-pf12k" : "t4-pf6k");
+  const KernelVariant* int8 = table.find_variant(int8_default);
   if (fp32 == nullptr || int8 == nullptr) std::abort();
   table.defaults[kFp32] = int(fp32 - table.variants);
   table.defaults[kInt8] = int(int8 - table.variants);

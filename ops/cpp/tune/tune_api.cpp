@@ -55,11 +55,12 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
       << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"budget_seconds\": " << budget_seconds
       << ", \"setup_seconds\": " << r.setup_seconds << ", \"elapsed_seconds\": " << r.elapsed_seconds
       << ", \"longest_round_seconds\": " << r.longest_round_seconds << ", \"read_seconds\": " << r.read_seconds
-      << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"variants\": [";
+      << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"drop_factor\": " << cim::kTuneDropFactor << ", \"variants\": [";
     for (size_t i = 0; i < r.rows.size(); ++i) {
       j << (i ? ", " : "") << "{\"name\": " << cim::json_quoted(r.rows[i].name) << ", \"fp32_seconds\": " << r.rows[i].seconds[cim::kFp32]
         << ", \"int8_seconds\": " << r.rows[i].seconds[cim::kInt8] << ", \"fp32_vs_default\": "
-        << r.rows[i].vs_default[cim::kFp32] << ", \"int8_vs_default\": " << r.rows[i].vs_default[cim::kInt8] << "}";
+        << r.rows[i].vs_default[cim::kFp32] << ", \"int8_vs_default\": " << r.rows[i].vs_default[cim::kInt8]
+        << ", \"fp32_rounds\": " << r.rows[i].rounds[cim::kFp32] << ", \"int8_rounds\": " << r.rows[i].rounds[cim::kInt8] << "}";
     }
     j << "], \"default\": {\"fp32\": " << cim::json_quoted(table->default_variant(cim::kFp32).name)
       << ", \"int8\": " << cim::json_quoted(table->default_variant(cim::kInt8).name) << "}, \"chosen\": {\"fp32\": "

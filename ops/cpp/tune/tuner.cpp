@@ -41,16 +41,21 @@ int64_t llc_bytes() {
 }
 
 // A streaming read of the bytes (SSE2, in every x86-64 baseline: 16-byte loads keep up with
-// DRAM on one core), summed so the loads stay. It prefetches 8 KiB ahead as the kernels do:
-// on one Zen 5 core a plain read reached less than half the speed of a prefetched one.
+// DRAM on one core), summed so the loads stay, software-prefetching kAhead bytes ahead (0:
+// none). Cores disagree on which reads faster: on one Zen 5 core a plain read reached less
+// than half the speed of one prefetching 8 KiB ahead, on a Zen 4 core the prefetching read
+// was the slower; the tuner times both and takes the faster as "the" read.
+template <int64_t kAhead>
 uint64_t read_stream(const uint8_t* p, int64_t bytes) {
 #if defined(__SSE2__)
   __m128i acc[8];
   for (__m128i& a : acc) a = _mm_setzero_si128();
   int64_t i = 0;
   for (; i + 128 <= bytes; i += 128) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + i + 8192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + i + 8192 + 64), _MM_HINT_T0);
+    if constexpr (kAhead > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + kAhead + 64), _MM_HINT_T0);
+    }
     for (int j = 0; j < 8; ++j) {
       acc[j] = _mm_add_epi64(acc[j], _mm_load_si128(reinterpret_cast<const __m128i*>(p + i + 16 * j)));
     }
@@ -156,56 +161,101 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   r.setup_seconds = seconds_since(setup0);
 
   const int n = table.variant_count;
+  // Candidate j = 2 * variant + mode. A mode's entry that is the same function as an earlier
+  // variant's (the n4 rows in fp32 mode are the t4 ones) is not timed again: it reports
+  // that variant's times (`alias`).
+  std::vector<int> alias(static_cast<size_t>(2 * n));
+  for (int j = 0; j < 2 * n; ++j) {
+    alias[static_cast<size_t>(j)] = j;
+    for (int u = j % 2; u < j; u += 2) {
+      if (table.variants[u / 2].matmul[j % 2] == table.variants[j / 2].matmul[j % 2]) {
+        alias[static_cast<size_t>(j)] = u;
+        break;
+      }
+    }
+  }
+  std::vector<char> live(static_cast<size_t>(2 * n));
+  for (int j = 0; j < 2 * n; ++j) live[static_cast<size_t>(j)] = alias[static_cast<size_t>(j)] == j;
   std::vector<double> read;
   std::vector<std::vector<double>> times(static_cast<size_t>(2 * n));
+  // The time of candidate j over its mode's default in each round j ran.
+  auto ratios_of = [&](int j) {
+    const auto& t = times[static_cast<size_t>(j)];
+    const auto& def = times[static_cast<size_t>(2 * table.defaults[j % 2] + j % 2)];
+    std::vector<double> out;
+    for (size_t i = 0; i < t.size(); ++i) out.push_back(t[i] / def[i]);
+    return out;
+  };
   uint64_t checksum = 0;
   const auto t0 = Clock::now();
   double round_seconds = 0;
-  std::vector<int> order(static_cast<size_t>(2 * n));
-  for (int j = 0; j < 2 * n; ++j) order[static_cast<size_t>(j)] = j;
   std::mt19937 rng(12345);
-  while (r.rounds == 0 || seconds_since(t0) + round_seconds <= options.budget_seconds) {
+  while (r.rounds < kTuneMinRounds || seconds_since(t0) + round_seconds <= options.budget_seconds) {
     const auto round0 = Clock::now();
-    const auto r0 = Clock::now();
-    checksum += read_stream(s.w.stream, r.stream_bytes);
-    read.push_back(seconds_since(r0));
+    double best_read = 1e30;
+    for (int form = 0; form < 2; ++form) {
+      const auto r0 = Clock::now();
+      checksum += form == 0 ? read_stream<8192>(s.w.stream, r.stream_bytes) : read_stream<0>(s.w.stream, r.stream_bytes);
+      best_read = std::min(best_read, seconds_since(r0));
+    }
+    read.push_back(best_read);
     // A new order each round: a pass may find some of the stream its predecessor left in
     // the last-level cache, so no variant may always follow the same one.
+    std::vector<int> order;
+    for (int j = 0; j < 2 * n; ++j) {
+      if (live[static_cast<size_t>(j)]) order.push_back(j);
+    }
     std::shuffle(order.begin(), order.end(), rng);
     for (int j : order) {
-      const int v = j / 2, mode = j % 2;
-      const double t = s.time(table.variants[v].matmul[mode]);
+      const double t = s.time(table.variants[j / 2].matmul[j % 2]);
       times[static_cast<size_t>(j)].push_back(t);
     }
     round_seconds = seconds_since(round0);
     r.longest_round_seconds = std::max(r.longest_round_seconds, round_seconds);
     ++r.rounds;
+    // From the second round on, a candidate clearly out of the race (its median over the
+    // default more than kTuneDropFactor times the best one's) is no longer timed: the
+    // remaining rounds go to the close ones. The defaults always run (every ratio needs them).
+    if (r.rounds >= 2) {
+      for (int mode = 0; mode < 2; ++mode) {
+        double best = 1.0;
+        for (int j = mode; j < 2 * n; j += 2) {
+          if (live[static_cast<size_t>(j)]) best = std::min(best, median(ratios_of(j)));
+        }
+        for (int j = mode; j < 2 * n; j += 2) {
+          if (live[static_cast<size_t>(j)] && j / 2 != table.defaults[mode] && median(ratios_of(j)) > kTuneDropFactor * best) {
+            live[static_cast<size_t>(j)] = 0;
+          }
+        }
+      }
+    }
   }
   r.elapsed_seconds = seconds_since(t0);
-  g_sink = checksum;  // the read's loads must stay
+  g_sink = checksum;  // the reads' loads must stay
   r.read_seconds = median(read);
   for (int v = 0; v < n; ++v) {
-    for (int mode = 0; mode < 2; ++mode) r.rows[v].seconds[mode] = median(times[static_cast<size_t>(2 * v + mode)]);
+    for (int mode = 0; mode < 2; ++mode) {
+      const int j = alias[static_cast<size_t>(2 * v + mode)];
+      r.rows[v].seconds[mode] = median(times[static_cast<size_t>(j)]);
+      r.rows[v].rounds[mode] = static_cast<int>(times[static_cast<size_t>(j)].size());
+      r.rows[v].vs_default[mode] = median(ratios_of(j));
+    }
   }
-  // Per variant, the median over rounds of its time over the default's in the same round:
-  // paired, so a load that comes and goes between rounds cancels out.
+  // Per mode: the candidate with the lowest median ratio among those timed in every round
+  // that beat the default by more than the margin in at least 3 of every 4 rounds.
   for (int mode = 0; mode < 2; ++mode) {
-    const auto& def = times[static_cast<size_t>(2 * table.defaults[mode] + mode)];
     int best = table.defaults[mode];
     double best_ratio = 1.0;
     for (int v = 0; v < n; ++v) {
-      const auto& t = times[static_cast<size_t>(2 * v + mode)];
-      std::vector<double> ratios;
-      int wins = 0;  // rounds in which it beat the default by more than the margin
-      for (size_t i = 0; i < t.size(); ++i) {
-        ratios.push_back(t[i] / def[i]);
-        wins += ratios.back() < 1.0 - kTuneMargin;
-      }
-      r.rows[v].vs_default[mode] = median(ratios);
+      const int j = alias[static_cast<size_t>(2 * v + mode)];
+      const std::vector<double> ratios = ratios_of(j);
+      if (static_cast<int>(ratios.size()) < r.rounds) continue;  // dropped on the way
+      int wins = 0;
+      for (double x : ratios) wins += x < 1.0 - kTuneMargin;
       const bool steady = 4 * wins >= 3 * r.rounds;
       if (steady && r.rows[v].vs_default[mode] < best_ratio) {
         best_ratio = r.rows[v].vs_default[mode];
-        best = v;
+        best = j / 2;
       }
     }
     r.chosen[mode] = r.rounds >= kTuneMinRounds && best_ratio < 1.0 - kTuneMargin ? best : table.defaults[mode];

@@ -13,7 +13,8 @@ namespace cim {
 
 struct TuneOptions {
   // Wall-clock bound of the timing rounds (setup not included: see TuneReport::setup_seconds).
-  // Rounds stop once the next would pass it; one round always runs.
+  // Rounds stop once the next would pass it, but never before kTuneMinRounds have run
+  // (candidates far behind drop out after two rounds, so later rounds are shorter).
   double budget_seconds = 0.4;
   // Bytes of the synthetic weight stream; 0: twice the last-level cache, within
   // [16 MiB, 256 MiB], so that every pass reads from DRAM as decode does.
@@ -28,25 +29,29 @@ struct TuneReport {
   double setup_seconds = 0;       // allocating and filling the stream
   double elapsed_seconds = 0;     // the timing rounds
   double longest_round_seconds = 0;
-  double read_seconds = 0;        // median of a streaming read of the same bytes, one per round
+  double read_seconds = 0;        // median over rounds of the faster of two streaming reads of the same bytes
   struct Row {
     std::string name;
     double seconds[2] = {0, 0};   // median per Mode, one decode (M = 1, 1 thread) of the stream
     double vs_default[2] = {1, 1};  // median per Mode of time / the default's time in the same round
+    int rounds[2] = {0, 0};       // per Mode, the rounds it was timed in (fewer: dropped as far behind)
   };
   std::vector<Row> rows;          // one per variant, in the table's order
   int chosen[2] = {0, 0};         // per Mode, an index into rows
 };
 
-// Interleaved rounds (a streaming read, then every variant in both modes in an order
-// shuffled each round) over a stream larger than the last-level cache. Per mode the
-// variant with the lowest median time relative to the default in the same round; the
-// default is kept unless that variant beats it by more than kTuneMargin in the median
-// and in at least 3 of 4 rounds, over at least kTuneMinRounds rounds (so a choice is never
-// worse than the default beyond noise, and a loaded machine keeps the default).
-// A table with one variant returns at once.
+// Interleaved rounds (streaming reads, then every variant in both modes in an order
+// shuffled each round) over a stream larger than the last-level cache, at least
+// kTuneMinRounds of them. From the second round on, a candidate whose median time over the
+// default is more than kTuneDropFactor times the best one's is no longer timed. Per mode
+// the variant with the lowest median time relative to the default in the same round, among
+// those timed in every round; the default is kept unless that variant beats it by more
+// than kTuneMargin in the median and in at least 3 of 4 rounds, over at least
+// kTuneMinRounds rounds (so a choice is never worse than the default beyond noise, and a
+// loaded machine keeps the default). A table with one variant returns at once.
 constexpr double kTuneMargin = 0.03;
 constexpr int kTuneMinRounds = 3;
+constexpr double kTuneDropFactor = 1.2;
 TuneReport tune(const KernelTable& table, const TuneOptions& options);
 
 }  // namespace cim
