@@ -39,6 +39,8 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         out.append(dataclasses.replace(int8, name="cim-int4 int8 avx2", env=(("CIM_INT4_KERNEL", "avx2"),)))
     for name in args.variant:
         out.append(dataclasses.replace(int8, name=f"cim-int4 int8 {name}", env=(("CIM_INT4_VARIANT", name),)))
+    for name in args.fp32_variant:
+        out.append(dataclasses.replace(fp32, name=f"cim-int4 fp32 {name}", env=(("CIM_INT4_VARIANT", name),)))
     return out
 
 
@@ -50,6 +52,7 @@ def main() -> None:
     p.add_argument("--fixed", action="store_true", help="also time both modes with the untuned default variants")
     p.add_argument("--avx2", action="store_true", help="also time int8 mode with the AVX2 path forced")
     p.add_argument("--variant", action="append", default=[], help="also time int8 mode with this variant forced")
+    p.add_argument("--fp32-variant", action="append", default=[], help="also time fp32 mode with this variant forced")
     p.add_argument("--rounds", type=int, default=30, help="most interleaved rounds per case (default 30)")
     p.add_argument("--memory", action="store_true", help="also measure each variant's session memory")
     p.add_argument("--json", default=None, help="write the full report here")

@@ -19,8 +19,10 @@
 namespace cim {
 namespace {
 
-// Bump when the variant grid (kernels/variants.h) changes meaning: profiles re-tune.
-constexpr const char* kGridVersion = "g2";
+// Bump when the variant grid (kernels/variants.h) or the tuner's rule changes meaning:
+// profiles re-tune. g3: the tuner always runs 3 rounds (g2's 0.4 s could run 2 and keep
+// a default twice as slow as the best).
+constexpr const char* kGridVersion = "g3";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
 CpuIdentity probe_identity() {
