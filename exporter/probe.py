@@ -1,8 +1,8 @@
 """The probe: the export's rewrite with ``x @ W`` in place of CimInt4MatMul, W fed per run; and a session of it.
 
 ``Probe`` holds one ORT session of a probe model, the calibration batches, and the FP32
-reference outputs (kept while they fit in ``REFERENCE_BYTES``, as float16 if that is what
-makes them fit, else recomputed with each comparison), and counts its runs. With
+reference outputs (a ``ReferenceStore``: in memory while small, else in a temporary folder;
+recomputed with each comparison when even that is too big), and counts its runs. With
 ``calibrate=True`` every candidate's input tensor is also a graph output, for the
 calibration pass (``exporter.calibration``).
 """
@@ -10,8 +10,10 @@ calibration pass (``exporter.calibration``).
 from __future__ import annotations
 
 import ctypes
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -32,8 +34,12 @@ from .writer import TensorStore
 
 # Probe weights are named from this prefix.
 PROBE_PREFIX = "cim_int4.probe."
-# FP32 reference outputs kept across comparisons up to this size (an LLM's logits are 0.5 GB a window).
-REFERENCE_BYTES = 512 << 20
+# FP32 reference outputs of all batches are kept across comparisons up to this size (float32;
+# an LLM's logits are 0.1-0.5 GB a window): in memory up to REFERENCE_RAM_BYTES, else on disk.
+REFERENCE_BYTES = 4 << 30
+REFERENCE_RAM_BYTES = 64 << 20
+# Over this size (float32) they are kept as float16 where that stays finite.
+REFERENCE_COMPACT_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,59 @@ def compact_outputs(outputs: list[np.ndarray]) -> list[np.ndarray]:
     return [_compact(o) for o in outputs]
 
 
+class ReferenceStore:
+    """The FP32 outputs of ``batches`` batches, kept for later comparisons.
+
+    Sized from the first batch's outputs: float16 (where that stays finite) when all of them
+    in float32 pass REFERENCE_COMPACT_BYTES; in memory when they fit REFERENCE_RAM_BYTES, else
+    one .npy file per output in a temporary folder (removed with the store), read back a batch
+    at a time, so that an LLM's logits do not sit in memory beside the exported model's session.
+    ``fits`` says whether a store should be made at all (REFERENCE_BYTES).
+    """
+
+    def __init__(self, batches: int, first: Sequence[np.ndarray]) -> None:
+        size = sum(o.nbytes for o in first) * batches
+        self.compact = size > REFERENCE_COMPACT_BYTES
+        self._memory: dict[int, list[np.ndarray]] = {}
+        self._files: dict[int, list[Path]] = {}
+        self._folder = None
+        if size > REFERENCE_RAM_BYTES:
+            self._folder = tempfile.TemporaryDirectory(prefix="cim-int4-reference-")
+
+    @staticmethod
+    def fits(batches: int, first: Sequence[np.ndarray]) -> bool:
+        """Whether the outputs of ``batches`` batches like ``first`` are worth keeping (else run again when needed)."""
+        return sum(o.nbytes for o in first) * batches <= REFERENCE_BYTES
+
+    def put(self, index: int, outputs: Sequence[np.ndarray]) -> bool:
+        """Keep batch ``index``'s outputs; False (nothing kept) when the temporary folder cannot take them."""
+        kept = compact_outputs(list(outputs)) if self.compact else list(outputs)
+        if self._folder is None:
+            self._memory[index] = kept
+            return True
+        paths = [Path(self._folder.name) / f"{index}-{j}.npy" for j in range(len(kept))]
+        try:
+            for path, x in zip(paths, kept, strict=True):
+                np.save(path, x, allow_pickle=False)
+        except OSError:
+            for path in paths:
+                path.unlink(missing_ok=True)
+            return False
+        self._files[index] = paths
+        return True
+
+    def get(self, index: int) -> list[np.ndarray] | None:
+        """Batch ``index``'s outputs, or None when they were not kept."""
+        if index in self._memory:
+            return self._memory[index]
+        if index in self._files:
+            return [np.load(path, allow_pickle=False) for path in self._files[index]]
+        return None
+
+    def __len__(self) -> int:
+        return len(self._memory) + len(self._files)
+
+
 class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
 
@@ -276,9 +335,9 @@ class Probe:
         release_memory()
         self.batches = list(batches)
         self.runs = 0
-        self._reference: dict[int, list[np.ndarray]] | None = None
+        self._reference: ReferenceStore | None = None
+        self._too_big = False  # the FP32 outputs do not fit REFERENCE_BYTES: run again when asked for
         self.keep_reference = True  # False: FP32 outputs are run again when asked for (when used once)
-        self._compact = False
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
     def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
@@ -314,24 +373,23 @@ class Probe:
         return np.concatenate(found) if found else np.ones(0)
 
     def reference(self, index: int) -> list[np.ndarray]:
-        """The FP32 outputs of batch ``index`` (kept when those of every batch fit in REFERENCE_BYTES)."""
-        if self._reference is not None and index in self._reference:
-            return self._reference[index]
+        """The FP32 outputs of batch ``index`` (kept when those of every batch fit REFERENCE_BYTES)."""
+        kept = self._reference.get(index) if self._reference is not None else None
+        if kept is not None:
+            return kept
         outs = self._run(self.batches[index])
         self._keep(index, outs)
         return outs
 
     def _keep(self, index: int, outs: list[np.ndarray]) -> None:
-        if not self.keep_reference:
+        if not self.keep_reference or self._too_big:
             return
         if self._reference is None:
-            # As they are when all fit, else as float16 (an LLM's logits) when that fits, else not kept.
-            size = sum(o.nbytes for o in outs) * len(self.batches)
-            self._compact = size > REFERENCE_BYTES
-            if size <= REFERENCE_BYTES or sum(_compact(o).nbytes for o in outs) * len(self.batches) <= REFERENCE_BYTES:
-                self._reference = {}
-        if self._reference is not None:
-            self._reference[index] = compact_outputs(outs) if self._compact else outs
+            if not ReferenceStore.fits(len(self.batches), outs):
+                self._too_big = True
+                return
+            self._reference = ReferenceStore(len(self.batches), outs)
+        self._reference.put(index, outs)
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
         """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs kept too, if asked."""
@@ -376,4 +434,4 @@ class Probe:
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""
-        self._reference, self._compact = other._reference, other._compact
+        self._reference, self._too_big = other._reference, other._too_big

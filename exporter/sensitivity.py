@@ -44,7 +44,7 @@ from .allocate import allocate
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import REFERENCE_BYTES, Probe, compact_outputs, release_memory
+from .probe import Probe, ReferenceStore, release_memory
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
@@ -162,17 +162,21 @@ def export_mixed(
     chosen, keep, quantized, report, probe = _plan(model, batches, options, tensors)
     reference = None
     if not probe.keep_reference:
-        # The FP32 outputs were not held through the export: run them now, kept compact if they fit
-        # REFERENCE_BYTES, and drop the probe (its FP32 weights) before the exported model's session exists.
-        before, kept = probe.runs, []
+        # The FP32 outputs were not held through the export: run them now into a ReferenceStore (on
+        # disk when large) and drop the probe (its FP32 weights) before the exported model's session
+        # exists. Too big even for that, or no room on disk: the check runs them again in the probe.
+        before, store = probe.runs, None
         for i in range(len(batches)):
-            kept.append(compact_outputs(probe.reference(i)))
-            if sum(o.nbytes for o in kept[0]) * len(batches) > REFERENCE_BYTES:
-                kept = []  # too big: the check runs them again in the probe, as it is
+            outs = probe.reference(i)
+            if store is None:
+                store = ReferenceStore(len(batches), outs) if ReferenceStore.fits(len(batches), outs) else None
+            if store is None or not store.put(i, outs):
+                store = None
                 break
+            del outs
         report.runs += probe.runs - before
-        if kept:
-            reference = kept.__getitem__
+        if store is not None:
+            reference = store.get
             probe.session, probe.candidates = None, []
     in_place = owned or chosen is not model
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)

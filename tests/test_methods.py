@@ -349,3 +349,45 @@ def test_gptq_streamed_from_a_file_matches_in_memory_and_the_tied_table_gets_the
     assert [c.also for c in probe.candidates if c.also] == [("lm_head.MatMul.weight",)]
     # The calibration pass, then the check's FP32 reference run again (one pair, target 0: not kept meanwhile).
     assert summary.mixed_precision.runs == 2 * len(feeds)
+
+
+def test_references_spilled_to_disk_give_the_same_check_and_leave_no_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from cim_int4.exporter import load_model
+    from cim_int4.exporter import probe as probe_module
+
+    model = load_model(TIED)
+    feeds = [_tied_feeds(model, s) for s in range(3)]
+    kept = {}
+    for ram in (probe_module.REFERENCE_RAM_BYTES, 0):  # in memory, then every reference on disk
+        monkeypatch.setattr(probe_module, "REFERENCE_RAM_BYTES", ram)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        for target in (0.0, 0.999):  # the check's own store (target 0), the probe's kept outputs (target > 0)
+            _, summary = export_with_summary(model, method="gptq", feeds=feeds, target_cosine=target)
+            report = summary.mixed_precision
+            kept[ram, target] = (report.cosine_exported, report.cosine_probe, report.runs)
+        assert not list(tmp_path.glob("cim-int4-reference-*")), "the temporary references must be removed"
+    for target in (0.0, 0.999):
+        assert kept[0, target] == kept[probe_module.REFERENCE_RAM_BYTES, target]
+
+
+def test_reference_store_round_trip_and_a_full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cim_int4.exporter import probe as probe_module
+    from cim_int4.exporter.probe import ReferenceStore
+
+    monkeypatch.setattr(probe_module, "REFERENCE_RAM_BYTES", 0)
+    outs = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.float32)]
+    store = ReferenceStore(2, outs)
+    assert store.put(0, outs) and len(store) == 1 and store.get(1) is None
+    for got, want in zip(store.get(0), outs, strict=True):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    assert not store.put(1, outs) and store.get(1) is None and len(store) == 1
