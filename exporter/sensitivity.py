@@ -178,6 +178,7 @@ def export_mixed(
         if store is not None:
             reference = store.get
             probe.session, probe.candidates = None, []
+            release_memory()  # the FP32 weights' pages back to the OS before the rewrite and the check
     in_place = owned or chosen is not model
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)
     del chosen, model
@@ -212,6 +213,7 @@ def _exported_cosine(
     types whose kernels it does not have yet).
     """
     probe.release_session()
+    release_memory()
     check = out
     if tensors is not None:  # the int4 tensors come back from the output's data file
         check = onnx.ModelProto()

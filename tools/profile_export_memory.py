@@ -3,8 +3,9 @@
     python tools/profile_export_memory.py FP32_FOLDER OUT.onnx --tokens calib.npy --windows 2 --method gptq
 
 Wraps the exporter's phase functions (probe, calibration pass, quantization, probe runs, rewrite,
-the exported model's check, the write) and prints, per phase, the RSS at entry and the peak
-inside it, then the whole run's peak (getrusage) beside the FP32 weights' size.
+the exported model's check, the write) and prints, per phase, the RSS at entry, the peak inside
+it and at exit (split into anonymous memory and mapped file pages), then the whole run's peak
+(getrusage) beside the FP32 weights' size.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from pathlib import Path
 import numpy as np
 
 
-def _rss() -> int:
+def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss() -> int:
+    return _status("VmRSS")
 
 
 class Sampler(threading.Thread):
@@ -58,8 +63,10 @@ def _wrap(owner: object, name: str, label: str, sampler: Sampler, log: list) -> 
             return fn(*a, **k)
         finally:
             log.append((label, before, sampler.mark(), _rss(), time.perf_counter() - t0))
+            anon, file = _status("RssAnon"), _status("RssFile")
             print(f"  {label:<28} entry {before / 2**20:7.0f} MiB  peak {log[-1][2] / 2**20:7.0f} MiB  "
-                  f"exit {log[-1][3] / 2**20:7.0f} MiB  {log[-1][4]:6.1f} s", flush=True)  # fmt: skip
+                  f"exit {log[-1][3] / 2**20:7.0f} MiB (anon {anon / 2**20:.0f}, file {file / 2**20:.0f})  "
+                  f"{log[-1][4]:6.1f} s", flush=True)  # fmt: skip
 
     setattr(owner, name, inner)
 
