@@ -254,7 +254,7 @@ class ReferenceStore:
     in float32 pass REFERENCE_COMPACT_BYTES; in memory when they fit REFERENCE_RAM_BYTES, else
     one .npy file per output in a temporary folder (removed with the store), read back a batch
     at a time, so that an LLM's logits do not sit in memory beside the exported model's session.
-    ``fits`` says whether a store should be made at all (REFERENCE_BYTES).
+    ``for_outputs`` makes one, or None when they are not worth keeping (REFERENCE_BYTES).
     """
 
     def __init__(self, batches: int, first: Sequence[np.ndarray]) -> None:
@@ -266,10 +266,10 @@ class ReferenceStore:
         if size > REFERENCE_RAM_BYTES:
             self._folder = tempfile.TemporaryDirectory(prefix="cim-int4-reference-")
 
-    @staticmethod
-    def fits(batches: int, first: Sequence[np.ndarray]) -> bool:
-        """Whether the outputs of ``batches`` batches like ``first`` are worth keeping (else run again when needed)."""
-        return sum(o.nbytes for o in first) * batches <= REFERENCE_BYTES
+    @classmethod
+    def for_outputs(cls, batches: int, first: Sequence[np.ndarray]) -> ReferenceStore | None:
+        """A store for ``batches`` batches like ``first``; None when too big to keep (run again when needed)."""
+        return cls(batches, first) if sum(o.nbytes for o in first) * batches <= REFERENCE_BYTES else None
 
     def put(self, index: int, outputs: Sequence[np.ndarray]) -> bool:
         """Keep batch ``index``'s outputs; False (nothing kept) when the temporary folder cannot take them."""
@@ -385,10 +385,10 @@ class Probe:
         if not self.keep_reference or self._too_big:
             return
         if self._reference is None:
-            if not ReferenceStore.fits(len(self.batches), outs):
+            self._reference = ReferenceStore.for_outputs(len(self.batches), outs)
+            if self._reference is None:
                 self._too_big = True
                 return
-            self._reference = ReferenceStore(len(self.batches), outs)
         self._reference.put(index, outs)
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:

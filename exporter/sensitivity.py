@@ -168,8 +168,8 @@ def export_mixed(
         before, store = probe.runs, None
         for i in range(len(batches)):
             outs = probe.reference(i)
-            if store is None:
-                store = ReferenceStore(len(batches), outs) if ReferenceStore.fits(len(batches), outs) else None
+            if i == 0:
+                store = ReferenceStore.for_outputs(len(batches), outs)
             if store is None or not store.put(i, outs):
                 store = None
                 break

@@ -91,9 +91,14 @@ def format_report(report: dict[str, Any]) -> str:
             t = row[f"{mode}_seconds"]
             share = read / t if t > 0 else 0.0
             name = row["name"]
-            mark = "*" if report["chosen"][mode] == name else ("d" if report["default"][mode] == name else " ")
             dropped = row[f"{mode}_rounds"] < report["rounds"]
-            mark = "x" if dropped else mark
+            mark = (
+                "x"
+                if dropped
+                else "*"
+                if report["chosen"][mode] == name
+                else ("d" if report["default"][mode] == name else " ")
+            )
             cells.append(f"{t * 1e3:8.2f} {row[f'{mode}_vs_default']:6.3f} {share:5.2f}{mark}")
         lines.append(f"{row['name']:<14} {cells[0]}  {cells[1]}")
     lines += [

@@ -217,15 +217,17 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
     // default more than kTuneDropFactor times the best one's) is no longer timed: the
     // remaining rounds go to the close ones. The defaults always run (every ratio needs them).
     if (r.rounds >= 2) {
-      for (int mode = 0; mode < 2; ++mode) {
-        double best = 1.0;
-        for (int j = mode; j < 2 * n; j += 2) {
-          if (live[static_cast<size_t>(j)]) best = std::min(best, median(ratios_of(j)));
-        }
-        for (int j = mode; j < 2 * n; j += 2) {
-          if (live[static_cast<size_t>(j)] && j / 2 != table.defaults[mode] && median(ratios_of(j)) > kTuneDropFactor * best) {
-            live[static_cast<size_t>(j)] = 0;
-          }
+      std::vector<double> med(static_cast<size_t>(2 * n), 0.0);
+      double best[2] = {1.0, 1.0};
+      for (int j = 0; j < 2 * n; ++j) {
+        if (!live[static_cast<size_t>(j)]) continue;
+        med[static_cast<size_t>(j)] = median(ratios_of(j));
+        best[j % 2] = std::min(best[j % 2], med[static_cast<size_t>(j)]);
+      }
+      for (int j = 0; j < 2 * n; ++j) {
+        if (live[static_cast<size_t>(j)] && j / 2 != table.defaults[j % 2] &&
+            med[static_cast<size_t>(j)] > kTuneDropFactor * best[j % 2]) {
+          live[static_cast<size_t>(j)] = 0;
         }
       }
     }
