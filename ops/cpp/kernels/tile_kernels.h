@@ -18,10 +18,7 @@
 // Loops, outer to inner:
 //   decode (M = 1): the 4 tiles of a strip side by side (independent FMA / vpdpbusd
 //     chains hide their latency), the stream read once, front to back.
-//   prefill (M > 1): blocks of kPrefillK codes (A's part stays in L2), of
-//     kPrefillTilesL2 tiles (their weights stay in L2), of kPrefillRows* rows of A (in
-//     L1), then chunks of kPrefillTiles tiles: each code row is unpacked once per block
-//     of rows, in registers, and partial sums wait in Y between blocks of K.
+//   prefill (M > 1): prefill_kernels.h, over `block` below or its own panel loops.
 #pragma once
 
 #include <xmmintrin.h>  // _mm_prefetch (SSE, in every x86-64 baseline)
@@ -195,6 +192,25 @@ struct TileKernels {
 
   // ---- int8 mode ---------------------------------------------------------------------
 
+  // Code row v (codes k0 + 8v .. k0 + 8v + 7) of the NT blocks against R rows of int8 A:
+  // f(r, x, lo, q_lo, hi, q_hi) per row r and vector x, where lane c of lo / hi holds codes
+  // 8v .. 8v + 3 / 8v + 4 .. 8v + 7 of channel c and q_lo / q_hi the four activations of each.
+  template <int NT, int R, class Fn>
+  static CIM_INLINE void int8_row(const uint8_t* const (&blk)[NT], int64_t v, const int8_t* const (&q)[R], int64_t k0,
+                                  Fn&& f) {
+    I lo[NT * kVecs], hi[NT * kVecs];
+    for (int x = 0; x < NT * kVecs; ++x) {
+      const I row = code_row<NT>(blk, v, x);
+      lo[x] = S::low_nibbles(row);
+      hi[x] = S::high_nibbles(row);
+    }
+    for (int r = 0; r < R; ++r) {
+      const I q_lo = S::set1_i32(load_i32(q[r] + k0 + 8 * v));
+      const I q_hi = S::set1_i32(load_i32(q[r] + k0 + 8 * v + 4));
+      for (int x = 0; x < NT * kVecs; ++x) f(r, x, lo[x], q_lo, hi[x], q_hi);
+    }
+  }
+
   template <int kBits, bool kF16, int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
   static void int8_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
@@ -214,19 +230,27 @@ struct TileKernels {
         for (int x = 0; x < NT * kVecs; ++x) d[r][x] = z;
       }
       const int64_t k0 = g * w.group_size;
-      if constexpr (kBits == 4) {
+      if constexpr (kBits == 4 && S::kPairDot) {
+        // Without VNNI: a chunk's (up to 32 codes, 8 dot4 steps: pair_steps) products in
+        // int16 pair sums, one flush into d per chunk.
+        const int64_t chunk_rows = chunk_codes(w.group_size) / 8;
+        for (int64_t v0 = 0; v0 < w.group_size / 8; v0 += chunk_rows) {
+          I p[R][NT * kVecs];
+          for (int r = 0; r < R; ++r)
+            for (int x = 0; x < NT * kVecs; ++x) p[r][x] = S::zero_i();
+          for (int64_t v = v0; v < v0 + chunk_rows; ++v) {
+            int8_row<NT, R>(blk, v, q, k0, [&](int r, int x, I lo, I q_lo, I hi, I q_hi) CIM_INLINE_LAMBDA {
+              p[r][x] = S::pair_dot(S::pair_dot(p[r][x], lo, q_lo), hi, q_hi);
+            });
+          }
+          for (int r = 0; r < R; ++r)
+            for (int x = 0; x < NT * kVecs; ++x) d[r][x] = S::pair_flush(d[r][x], p[r][x]);
+        }
+      } else if constexpr (kBits == 4) {
         for (int64_t v = 0; v < w.group_size / 8; ++v) {
-          I lo[NT * kVecs], hi[NT * kVecs];
-          for (int x = 0; x < NT * kVecs; ++x) {
-            const I row = code_row<NT>(blk, v, x);
-            lo[x] = S::low_nibbles(row);   // lane c: codes k0+8v .. +3 of channel c
-            hi[x] = S::high_nibbles(row);  // lane c: codes k0+8v+4 .. +7
-          }
-          for (int r = 0; r < R; ++r) {
-            const I q_lo = S::set1_i32(load_i32(q[r] + k0 + 8 * v));
-            const I q_hi = S::set1_i32(load_i32(q[r] + k0 + 8 * v + 4));
-            for (int x = 0; x < NT * kVecs; ++x) d[r][x] = S::dot4(S::dot4(d[r][x], lo[x], q_lo), hi[x], q_hi);
-          }
+          int8_row<NT, R>(blk, v, q, k0, [&](int r, int x, I lo, I q_lo, I hi, I q_hi) CIM_INLINE_LAMBDA {
+            d[r][x] = S::dot4(S::dot4(d[r][x], lo, q_lo), hi, q_hi);
+          });
         }
       } else {
         PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
@@ -340,29 +364,6 @@ struct TileKernels {
     }
   }
 
-  // Rows per prefill block, per compute mode (the traits measure each).
-  template <bool kInt8>
-  static constexpr int kPrefillRows = kInt8 ? S::kPrefillRowsInt8 : S::kPrefillRowsFp32;
-
-  // Rows m0 .. m0 + rows - 1 (1 <= rows <= kPrefillRows) against tiles t0 .. t0 + NT - 1.
-  template <class Fm, int NT, int R = kPrefillRows<Fm::kInt8>>
-  static void rows_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t rows, int64_t g0, int64_t g1) {
-    if constexpr (R >= 1) {
-      if (rows == R) {
-        block<Fm, NT, R>(args, t0, m0, g0, g1);
-      } else {
-        rows_block<Fm, NT, R - 1>(args, t0, m0, rows, g0, g1);
-      }
-    }
-  }
-
-  // Prefill blocking. A block of kPrefillK codes of every row of A is reused by all
-  // tiles of the range; within it, each block of rows (6 x 512 floats = 12 KB) stays in
-  // L1 while the weights of kPrefillTilesL2 tiles (32 x 16 groups x 320 B = 160 KB, L2)
-  // pass under it, chunk by chunk.
-  static constexpr int64_t kPrefillK = 512;
-  static constexpr int64_t kPrefillTilesL2 = 32;
-
   // M = 1: NT tiles side by side (NT = 4: a whole strip, its part of the stream read
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
@@ -379,27 +380,6 @@ struct TileKernels {
     }
     for (; t + NT <= tile_end; t += NT) block<Fm, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
     for (; t < tile_end; ++t) block<Fm, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
-  }
-
-  // M > 1 (M = 1 works too, at prefill's pace).
-  template <class Fm>
-  static void prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
-    const PackedWeights& w = *args.W;
-    constexpr int NT = S::kPrefillTiles;
-    constexpr int R = kPrefillRows<Fm::kInt8>;
-    const int64_t k_groups = kPrefillK / w.group_size > 0 ? kPrefillK / w.group_size : 1;
-    for (int64_t g0 = 0; g0 < w.groups; g0 += k_groups) {
-      const int64_t g1 = g0 + k_groups < w.groups ? g0 + k_groups : w.groups;
-      for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPrefillTilesL2) {
-        const int64_t n1 = n0 + kPrefillTilesL2 < tile_end ? n0 + kPrefillTilesL2 : tile_end;
-        for (int64_t m0 = 0; m0 < args.M; m0 += R) {
-          const int64_t rows = args.M - m0 < R ? args.M - m0 : R;
-          int64_t t = n0;
-          for (; t + NT <= n1; t += NT) rows_block<Fm, NT>(args, t, m0, rows, g0, g1);
-          for (; t < n1; ++t) rows_block<Fm, 1>(args, t, m0, rows, g0, g1);
-        }
-      }
-    }
   }
 
   // int8 mode's A, the same bits as quantize_a_portable: |a| maxima are exact in any

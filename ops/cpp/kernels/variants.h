@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "kernels/kernel.h"
+#include "kernels/prefill_kernels.h"
 #include "kernels/tile_kernels.h"
 
 namespace cim {
@@ -34,7 +35,7 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
       TileKernels<D>::template decode<Fm, NT, kAhead, kHint, kNarrow>(args, tile_begin, tile_end);
     } else {
       using Fm = typename TileKernels<S>::template Form<kBits, kF16, kInt8>;
-      TileKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
+      PrefillKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
     }
   };
   if (args.W->scales_f16) {
