@@ -5,15 +5,14 @@
 // row is unpacked once per block of rows, in registers (TileKernels::block), and partial
 // sums wait in Y between blocks of K. Every output gets the arithmetic of the portable
 // kernel (tile_kernels.h's header), so prefill gives the same bits as decode and the oracle.
-//
-// Tried on an AVX2-only Zen 3 and not kept (docs/benchmarks.md): fp32 mode from an
-// L1-resident panel of unpacked floats (a float GEMM's loop, no unpacking per block of
-// rows) ran at the speed of this form, as it did on Zen 4.
+// fp32 mode with 4-bit codes on tables whose unpacking is dear (S::kPrefillPanel) runs
+// panel_kernels.h's float-GEMM form instead, from kMinRows rows on.
 #pragma once
 
 #include <cstdint>
 
 #include "kernels/kernel.h"
+#include "kernels/panel_kernels.h"
 #include "kernels/simd_util.h"
 #include "kernels/tile_kernels.h"
 
@@ -53,6 +52,9 @@ struct PrefillKernels {
   // M > 1 (M = 1 works too, at prefill's pace).
   template <class Fm>
   static void prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    if constexpr (S::kPrefillPanel && !Fm::kInt8 && Fm::kBits == 4) {
+      if (PanelKernels<S>::template prefill<Fm::kF16>(args, tile_begin, tile_end)) return;
+    }
     const PackedWeights& w = *args.W;
     constexpr int NT = S::kPrefillTiles;
     constexpr int R = kPrefillRows<Fm::kInt8>;

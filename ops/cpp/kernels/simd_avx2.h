@@ -31,6 +31,8 @@ struct Avx2 {
   static constexpr int kPrefillRowsInt8 = 4;
   // Products in int16 pair sums (pair_dot) where that saves work: without VNNI.
   static constexpr bool kPairDot = kDot == Dot::kMaddubs;
+  // fp32 mode's prefill from panels of unpacked floats (panel_kernels.h).
+  static constexpr bool kPrefillPanel = true;
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }

@@ -409,7 +409,8 @@ std::vector<Shape> shapes() {
                         384, 385, 511, 512, 513, 640, 777, 1000, 1024, 1031, 2048, 4096, 4099};
   // (M, N) pairs covering every remainder of the register blocks: N around tiles of 16
   // and the 4-tile decode block (64) and the 2-tile prefill chunk (32); M around the
-  // prefill row blocks (6 for AVX-512, 2 for AVX2) and the benchmark's M = 1, 16 and 128.
+  // prefill row blocks (6 for AVX-512; 6 in fp32 mode and 4 in int8 mode for AVX2) and the
+  // benchmark's M = 1, 16 and 128.
   const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {2, 3},  {2, 33},
                            {5, 9},  {7, 48}, {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};
   std::vector<Shape> out;
@@ -428,6 +429,25 @@ std::vector<Shape> shapes() {
         s.wide_range = i % 5 == 4;
         out.push_back(s);
         ++i;
+      }
+    }
+  }
+  // AVX2's fp32 prefill by panel (panel_kernels.h): more rows than one packed block of A
+  // (192), tiles past one chunk of 4 with a partial last one, K past one panel of 512
+  // inputs with a tail.
+  for (int64_t g : {16, 32, 256}) {
+    for (int64_t k : {513, 1031}) {
+      for (int64_t m : {200, 385}) {
+        Shape s;
+        s.M = m;
+        s.N = 100;
+        s.K = k;
+        s.group_size = g;
+        s.lda = k + (m == 200 ? 3 : 0);
+        s.ldy = s.N;
+        s.bias = k == 513;
+        s.wide_range = g == 16;
+        out.push_back(s);
       }
     }
   }

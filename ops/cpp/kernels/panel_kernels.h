@@ -1,0 +1,187 @@
+// fp32 mode's prefill by panel, for tables whose fp32 unpacking is dear (S::kPrefillPanel:
+// AVX2, without a 16-entry vpermps: two shifts and a convert per code vector). Internal
+// linkage, for the reason tile_kernels.h gives.
+//
+// Per block of kPanelK inputs: A's rows are packed input by input (R floats per input for
+// each block of R rows); the 4-bit codes of kPanelTiles tiles are unpacked once into
+// panels of floats c - 8 (16 per input, with the groups' scales); then each block of R
+// rows runs over the panels one after the other, its packed A staying in L1 while the
+// panels come from L2 (the blocking of a float GEMM). The row loop is a float GEMM's: a
+// panel load per vector, a broadcast per row, FMAs, and no unpacking per block of rows.
+// Every output gets the portable kernel's arithmetic (tile_kernels.h's header): per group
+// t = fma(a_k, c_k - 8, t) for k in order, then acc = fma(t, scale, acc); partial sums wait
+// in Y between blocks of K, exactly.
+//
+// Measured on an AVX2-only Zen 3 (docs/benchmarks.md): 1.14-1.45x prefill by block
+// (prefill_kernels.h) at M = 128; with one tile per panel pass and 256 inputs, no faster.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels/kernel.h"
+#include "kernels/simd_util.h"
+#include "kernels/tile_kernels.h"
+
+namespace cim {
+namespace {
+
+template <class S>
+struct PanelKernels {
+  using T = TileKernels<S>;
+  using F = typename S::F;
+  using I = typename S::I;
+  static constexpr int kVecs = T::kVecs;
+  static constexpr int kRows = S::kPrefillRowsFp32;  // R
+
+  static constexpr int64_t kPanelK = 512;     // inputs per panel: 512 x 16 floats = 32 KB
+  static constexpr int64_t kPanelTiles = 4;   // panels made at once: 128 KB, in L2
+  static constexpr int64_t kMaxRows = 192;    // rows of A packed at once: at most 384 KB, in L2
+  static constexpr int64_t kMinRows = 16;     // fewer rows: prefill by block (the panels cost more than they save)
+
+  struct Scratch {
+    float* panels = nullptr;  // [kPanelTiles][kPanelK][16]
+    float* scales = nullptr;  // [kPanelTiles][kPanelK / 16][16] (group sizes >= 16)
+    float* a = nullptr;       // [row blocks][kPanelK][R]
+    bool make(int64_t rows) {
+      const int64_t floats = kPanelTiles * kPanelK * kTileN + kPanelTiles * (kPanelK / 16) * kTileN +
+                             (rows + kRows - 1) / kRows * kRows * kPanelK;
+      panels = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((floats * 4 + 63) / 64 * 64)));
+      scales = panels == nullptr ? nullptr : panels + kPanelTiles * kPanelK * kTileN;
+      a = panels == nullptr ? nullptr : scales + kPanelTiles * (kPanelK / 16) * kTileN;
+      return panels != nullptr;
+    }
+    ~Scratch() { std::free(panels); }
+  };
+
+  // One tile's groups [g0, g1): the floats c - 8 per input and channel, and the groups' scales.
+  template <bool kF16>
+  static void make_panel(const PackedWeights& w, int64_t t0, int64_t g0, int64_t g1, float* panel, float* scales) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* blk[1] = {w.block(t0, g)};
+      float* p = panel + (g - g0) * w.group_size * kTileN;
+      for (int64_t v = 0; v < w.group_size / 8; ++v) {
+        for (int x = 0; x < kVecs; ++x) {
+          const I row = S::fp32_codes(T::template code_row<1>(blk, v, x));
+          static_for<8>([&](auto jc) CIM_INLINE_LAMBDA {
+            constexpr int j = decltype(jc)::value;
+            S::store(p + (8 * v + j) * kTileN + x * S::kLanes, S::template code_minus_8<j>(row));
+          });
+        }
+      }
+      for (int x = 0; x < kVecs; ++x) {
+        S::store(scales + (g - g0) * kTileN + x * S::kLanes, T::template scales_of<1, kF16>(w, blk, x));
+      }
+    }
+  }
+
+  // Rows m0 .. m0 + R - 1 against one tile's panel of groups [g0, g1); `a` is the rows'
+  // packed A (input k0 + j of row r at a[j * kRows + r], k0 the panel's first input).
+  template <int R>
+  static void rows(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
+                   int64_t m0, int64_t g0, int64_t g1) {
+    const PackedWeights& w = *args.W;
+    F init[R][kVecs];
+    T::template load_acc<1, R>(args, t0, m0, g0, init);
+    alignas(64) float acc[R * kTileN];  // the running sums wait in L1 between groups
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < kVecs; ++x) S::store(acc + r * kTileN + x * S::kLanes, init[r][x]);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t k0 = g * w.group_size;
+      const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
+      const float* p = panel + (g - g0) * w.group_size * kTileN;
+      const float* ag = a + (g - g0) * w.group_size * kRows;
+      F t[R][kVecs];
+      for (int r = 0; r < R; ++r)
+        for (int x = 0; x < kVecs; ++x) t[r][x] = S::zero();
+      auto step = [&](int64_t j) CIM_INLINE_LAMBDA {
+        F wv[kVecs];
+        for (int x = 0; x < kVecs; ++x) wv[x] = S::load(p + j * kTileN + x * S::kLanes);
+        for (int r = 0; r < R; ++r) {
+          const F av = S::set1(ag[j * kRows + r]);
+          for (int x = 0; x < kVecs; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
+        }
+      };
+      if (valid == w.group_size) {  // group sizes are multiples of 8
+        for (int64_t j = 0; j < valid; j += 8) static_for<8>([&](auto jc) CIM_INLINE_LAMBDA { step(j + jc); });
+      } else {
+        for (int64_t j = 0; j < valid; ++j) step(j);
+      }
+      for (int x = 0; x < kVecs; ++x) {
+        const F s = S::load(scales + (g - g0) * kTileN + x * S::kLanes);
+        for (int r = 0; r < R; ++r) {
+          float* c = acc + r * kTileN + x * S::kLanes;
+          S::store(c, S::fma(t[r][x], s, S::load(c)));
+        }
+      }
+    }
+    F out[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < kVecs; ++x) out[r][x] = S::load(acc + r * kTileN + x * S::kLanes);
+    T::template store_acc<1, R>(args, t0, m0, g1, out);
+  }
+
+  // 1 <= n <= kRows rows.
+  template <int R = kRows>
+  static void rows_n(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
+                     int64_t m0, int64_t n, int64_t g0, int64_t g1) {
+    if constexpr (R >= 1) {
+      if (n == R) {
+        rows<R>(args, panel, scales, a, t0, m0, g0, g1);
+      } else {
+        rows_n<R - 1>(args, panel, scales, a, t0, m0, n, g0, g1);
+      }
+    }
+  }
+
+  // Rows [m0, m1) of A, inputs [k0, k0 + len): block b of kRows rows at a + b * kPanelK * kRows,
+  // input by input.
+  static void pack_a(const MatMulArgs& args, int64_t m0, int64_t m1, int64_t k0, int64_t len, float* a) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* dst = a + (m - m0) / kRows * kPanelK * kRows + (m - m0) % kRows;
+      const float* src = args.A + m * args.lda + k0;
+      for (int64_t j = 0; j < len; ++j) dst[j * kRows] = src[j];
+    }
+  }
+
+  // False when it did nothing (too few rows, or no memory for its scratch): the caller
+  // then runs prefill by block.
+  template <bool kF16>
+  static bool prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
+    const PackedWeights& w = *args.W;
+    if (args.M < kMinRows || w.group_size > kPanelK) return false;
+    const int64_t supers = (args.M + kMaxRows - 1) / kMaxRows;
+    const int64_t super_rows = ((args.M + supers - 1) / supers + kRows - 1) / kRows * kRows;
+    Scratch s;
+    if (!s.make(super_rows)) return false;
+    const int64_t k_groups = kPanelK / w.group_size;
+    for (int64_t g0 = 0; g0 < w.groups; g0 += k_groups) {
+      const int64_t g1 = g0 + k_groups < w.groups ? g0 + k_groups : w.groups;
+      const int64_t k0 = g0 * w.group_size;
+      const int64_t len = (g1 * w.group_size < w.K ? g1 * w.group_size : w.K) - k0;
+      for (int64_t s0 = 0; s0 < args.M; s0 += super_rows) {
+        const int64_t s1 = s0 + super_rows < args.M ? s0 + super_rows : args.M;
+        pack_a(args, s0, s1, k0, len, s.a);
+        for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
+          const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
+          for (int64_t t = n0; t < n1; ++t) {
+            make_panel<kF16>(w, t, g0, g1, s.panels + (t - n0) * kPanelK * kTileN,
+                             s.scales + (t - n0) * (kPanelK / 16) * kTileN);
+          }
+          for (int64_t m0 = s0; m0 < s1; m0 += kRows) {
+            const int64_t n = s1 - m0 < kRows ? s1 - m0 : kRows;
+            const float* a = s.a + (m0 - s0) / kRows * kPanelK * kRows;
+            for (int64_t t = n0; t < n1; ++t) {
+              rows_n(args, s.panels + (t - n0) * kPanelK * kTileN, s.scales + (t - n0) * (kPanelK / 16) * kTileN, a,
+                     t, m0, n, g0, g1);
+            }
+          }
+        }
+      }
+    }
+    return true;
+  }
+};
+
+}  // namespace
+}  // namespace cim
