@@ -37,7 +37,7 @@ struct PanelKernels {
   static constexpr int64_t kPanelK = 512;     // inputs per panel: 512 x 16 floats = 32 KB
   static constexpr int64_t kPanelTiles = 4;   // panels made at once: 128 KB, in L2
   static constexpr int64_t kMaxRows = 192;    // rows of A packed at once: at most 384 KB, in L2
-  static constexpr int64_t kMinRows = 16;     // fewer rows: prefill by block (the panels cost more than they save)
+  static constexpr int64_t kMinRows = 24;     // fewer rows: prefill by block (level at 16 rows, ahead from 32)
 
   struct Scratch {
     float* panels = nullptr;  // [kPanelTiles][kPanelK][16]

@@ -6,7 +6,7 @@
 // sums wait in Y between blocks of K. Every output gets the arithmetic of the portable
 // kernel (tile_kernels.h's header), so prefill gives the same bits as decode and the oracle.
 // fp32 mode with 4-bit codes on tables whose unpacking is dear (S::kPrefillPanel) runs
-// panel_kernels.h's float-GEMM form instead, from kMinRows rows on.
+// panel_kernels.h's float-GEMM form instead, from its kMinRows rows on.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,88 @@
+// Prefill timing of one kernel table against another build of the library's kernels, in one
+// process, interleaved rounds, fastest of each (docs/benchmarks.md, "Evening, prefill on the
+// same Zen 3"). The headers' kernels are instantiated here for AVX2 (internal linkage, so they
+// do not clash with the objects linked in); the linked objects are the library to compare with:
+//
+//   g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -DCIM_INT4_X86_KERNELS -Iops/cpp
+//       ops/cpp/tools/prefill_bench.cpp <other build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o prefill_bench
+//   (one command line)
+//   ./prefill_bench M K N ROUNDS      (defaults 128 4096 4096 7; group 32, float16 scales)
+//
+// It prints GMAC/s per form and says when the two give different bits.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/prefill_kernels.h"
+#include "kernels/repack.h"
+#include "kernels/simd_avx2.h"
+
+using namespace cim;
+using S = Avx2<Dot::kMaddubs>;
+using P = PrefillKernels<S>;
+using T = TileKernels<S>;
+
+int main(int argc, char** argv) {
+  const int64_t M = argc > 1 ? atoll(argv[1]) : 128, K = argc > 2 ? atoll(argv[2]) : 4096;
+  const int64_t N = argc > 3 ? atoll(argv[3]) : 4096;
+  const int rounds = argc > 4 ? atoi(argv[4]) : 7;
+  const int64_t gs = 32;
+  std::mt19937 rng(1);
+  std::vector<uint8_t> packed(static_cast<size_t>(N * ((K + gs - 1) / gs * gs) / 2));
+  for (auto& b : packed) b = static_cast<uint8_t>(rng());
+  std::vector<uint16_t> scales(static_cast<size_t>(N * ((K + gs - 1) / gs)));
+  for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));  // small float16
+  PackedStorage st;
+  const std::string err = st.build(K, N, gs, 4, packed.data(), scales.data(), true, nullptr);
+  if (!err.empty()) {
+    std::fprintf(stderr, "%s\n", err.c_str());
+    return 1;
+  }
+  std::vector<float> A(static_cast<size_t>(M * K)), Y(static_cast<size_t>(M * N)), Y2(Y.size());
+  for (auto& a : A) a = std::uniform_real_distribution<float>(-1, 1)(rng);
+  const int64_t groups = (K + gs - 1) / gs;
+  std::vector<int8_t> q(static_cast<size_t>(M * groups * gs));
+  std::vector<float> qs(static_cast<size_t>(M * groups));
+  std::vector<int32_t> qz(qs.size());
+  T::quantize_a(A.data(), M, K, K, gs, q.data(), qs.data(), qz.data());
+  QuantizedA qa{q.data(), qs.data(), qz.data()};
+  MatMulArgs here{A.data(), M, K, Y.data(), N, &st.weights(), &qa};
+  MatMulArgs linked = here;
+  linked.Y = Y2.data();
+  const char* available = nullptr;
+  const KernelTable* lib = select_kernels("avx2", &available);
+  if (lib == nullptr) {
+    std::fprintf(stderr, "this CPU does not run the avx2 table (available: %s)\n", available);
+    return 1;
+  }
+  using F32 = T::Form<4, true, false>;
+  using I8 = T::Form<4, true, true>;
+  const int64_t tiles = st.weights().tiles;
+  auto time = [](auto f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double best[4] = {1e9, 1e9, 1e9, 1e9};
+  bool same[2] = {true, true};
+  for (int r = 0; r < rounds; ++r) {
+    best[0] = std::min(best[0], time([&] { P::prefill<F32>(here, 0, tiles); }));
+    best[1] = std::min(best[1], time([&] { lib->default_variant(kFp32).matmul[kFp32](linked, 0, tiles); }));
+    same[0] = same[0] && std::memcmp(Y.data(), Y2.data(), Y.size() * sizeof(float)) == 0;
+    best[2] = std::min(best[2], time([&] { P::prefill<I8>(here, 0, tiles); }));
+    best[3] = std::min(best[3], time([&] { lib->default_variant(kInt8).matmul[kInt8](linked, 0, tiles); }));
+    same[1] = same[1] && std::memcmp(Y.data(), Y2.data(), Y.size() * sizeof(float)) == 0;
+  }
+  const char* names[4] = {"fp32, these headers", "fp32, linked library", "int8, these headers", "int8, linked library"};
+  for (int i = 0; i < 4; ++i) {
+    std::printf("M=%lld K=%lld N=%lld %-22s %8.2f ms %6.1f GMAC/s\n", static_cast<long long>(M),
+                static_cast<long long>(K), static_cast<long long>(N), names[i], best[i] * 1e3,
+                double(M) * K * N / best[i] / 1e9);
+  }
+  std::printf("same bits: fp32 %s, int8 %s\n", same[0] ? "yes" : "NO", same[1] ? "yes" : "NO");
+  return same[0] && same[1] ? 0 : 2;
+}
