@@ -432,40 +432,31 @@ std::vector<Shape> shapes() {
       }
     }
   }
+  // Long prefill, row-major and contiguous unless lda_pad > 0.
+  auto long_shape = [&](int64_t m, int64_t n, int64_t k, int64_t g, int64_t lda_pad, bool bias, bool wide) {
+    Shape s;
+    s.M = m;
+    s.N = n;
+    s.K = k;
+    s.group_size = g;
+    s.lda = k + lda_pad;
+    s.ldy = n;
+    s.bias = bias;
+    s.wide_range = wide;
+    out.push_back(s);
+  };
   // AVX2's fp32 prefill by panel (panel_kernels.h): more rows than one packed block of A
   // (192), tiles past one chunk of 4 with a partial last one, K past one panel of 512
   // inputs with a tail.
   for (int64_t g : {16, 32, 256}) {
     for (int64_t k : {513, 1031}) {
-      for (int64_t m : {200, 385}) {
-        Shape s;
-        s.M = m;
-        s.N = 100;
-        s.K = k;
-        s.group_size = g;
-        s.lda = k + (m == 200 ? 3 : 0);
-        s.ldy = s.N;
-        s.bias = k == 513;
-        s.wide_range = g == 16;
-        out.push_back(s);
-      }
+      for (int64_t m : {200, 385}) long_shape(m, 100, k, g, m == 200 ? 3 : 0, k == 513, g == 16);
     }
   }
-  // Long prefill: M = 128 and 129 for a few K.
+  // M = 128 and 129 for a few K.
   for (int64_t g : {32, 128}) {
     for (int64_t k : {100, 512}) {
-      for (int64_t m : {128, 129}) {
-        Shape s;
-        s.M = m;
-        s.N = 35;
-        s.K = k;
-        s.group_size = g;
-        s.lda = k;
-        s.ldy = s.N;
-        s.bias = m == 129;
-        s.wide_range = false;
-        out.push_back(s);
-      }
+      for (int64_t m : {128, 129}) long_shape(m, 35, k, g, 0, m == 129, false);
     }
   }
   // Rows of A that start off a 64-byte line by the same amount (lda a multiple of 16),
