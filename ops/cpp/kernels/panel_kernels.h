@@ -149,7 +149,7 @@ struct PanelKernels {
   template <bool kF16>
   static bool prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
-    if (args.M < kMinRows || w.group_size > kPanelK) return false;
+    if (args.M < kMinRows || w.group_size < 16 || w.group_size > kPanelK) return false;  // scales: >= 16
     const int64_t supers = (args.M + kMaxRows - 1) / kMaxRows;
     const int64_t super_rows = ((args.M + supers - 1) / supers + kRows - 1) / kRows * kRows;
     Scratch s;

@@ -233,6 +233,7 @@ struct TileKernels {
       if constexpr (kBits == 4 && S::kPairDot) {
         // Without VNNI: a chunk's (up to 32 codes, 8 dot4 steps: pair_steps) products in
         // int16 pair sums, one flush into d per chunk.
+        static_assert(2 * chunk_codes(1 << 30) / 8 <= pair_steps(4), "int16 pair sums could saturate");
         const int64_t chunk_rows = chunk_codes(w.group_size) / 8;
         for (int64_t v0 = 0; v0 < w.group_size / 8; v0 += chunk_rows) {
           I p[R][NT * kVecs];

@@ -453,6 +453,11 @@ std::vector<Shape> shapes() {
       for (int64_t m : {200, 385}) long_shape(m, 100, k, g, m == 200 ? 3 : 0, k == 513, g == 16);
     }
   }
+  // The same for groups 64 and 128, with a last block of 4 rows (28 = 6 * 4 + 4; 196 = two
+  // packed blocks of 102 and 94 rows).
+  for (int64_t g : {64, 128}) {
+    for (int64_t m : {28, 196}) long_shape(m, 100, 1031, g, 0, m == 28, false);
+  }
   // M = 128 and 129 for a few K.
   for (int64_t g : {32, 128}) {
     for (int64_t k : {100, 512}) {
