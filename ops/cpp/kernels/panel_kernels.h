@@ -39,18 +39,22 @@ struct PanelKernels {
   static constexpr int64_t kMaxRows = 192;    // rows of A packed at once: at most 384 KB, in L2
   static constexpr int64_t kMinRows = 24;     // fewer rows: prefill by block (level at 16 rows, ahead from 32)
 
+  // Floats per tile of a panel, and of its groups' scales (group sizes >= 16).
+  static constexpr int64_t kPanelFloats = kPanelK * kTileN;
+  static constexpr int64_t kScaleFloats = kPanelK / 16 * kTileN;
+
   struct Scratch {
-    float* panels = nullptr;  // [kPanelTiles][kPanelK][16]
-    float* scales = nullptr;  // [kPanelTiles][kPanelK / 16][16] (group sizes >= 16)
+    float* panels = nullptr;  // [kPanelTiles][kPanelFloats], then [kPanelTiles][kScaleFloats]
     float* a = nullptr;       // [row blocks][kPanelK][R]
     bool make(int64_t rows) {
-      const int64_t floats = kPanelTiles * kPanelK * kTileN + kPanelTiles * (kPanelK / 16) * kTileN +
-                             (rows + kRows - 1) / kRows * kRows * kPanelK;
+      const int64_t floats = kPanelTiles * (kPanelFloats + kScaleFloats) + (rows + kRows - 1) / kRows * kRows * kPanelK;
       panels = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((floats * 4 + 63) / 64 * 64)));
-      scales = panels == nullptr ? nullptr : panels + kPanelTiles * kPanelK * kTileN;
-      a = panels == nullptr ? nullptr : scales + kPanelTiles * (kPanelK / 16) * kTileN;
+      a = panels == nullptr ? nullptr : panels + kPanelTiles * (kPanelFloats + kScaleFloats);
       return panels != nullptr;
     }
+    // Tile i's (0 .. kPanelTiles - 1) panel and scales.
+    float* panel(int64_t i) const { return panels + i * kPanelFloats; }
+    float* scales(int64_t i) const { return panels + kPanelTiles * kPanelFloats + i * kScaleFloats; }
     ~Scratch() { std::free(panels); }
   };
 
@@ -164,17 +168,11 @@ struct PanelKernels {
         pack_a(args, s0, s1, k0, len, s.a);
         for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
           const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
-          for (int64_t t = n0; t < n1; ++t) {
-            make_panel<kF16>(w, t, g0, g1, s.panels + (t - n0) * kPanelK * kTileN,
-                             s.scales + (t - n0) * (kPanelK / 16) * kTileN);
-          }
+          for (int64_t t = n0; t < n1; ++t) make_panel<kF16>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
           for (int64_t m0 = s0; m0 < s1; m0 += kRows) {
             const int64_t n = s1 - m0 < kRows ? s1 - m0 : kRows;
             const float* a = s.a + (m0 - s0) / kRows * kPanelK * kRows;
-            for (int64_t t = n0; t < n1; ++t) {
-              rows_n(args, s.panels + (t - n0) * kPanelK * kTileN, s.scales + (t - n0) * (kPanelK / 16) * kTileN, a,
-                     t, m0, n, g0, g1);
-            }
+            for (int64_t t = n0; t < n1; ++t) rows_n(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
           }
         }
       }

@@ -13,7 +13,6 @@
 
 #include "kernels/kernel.h"
 #include "kernels/panel_kernels.h"
-#include "kernels/simd_util.h"
 #include "kernels/tile_kernels.h"
 
 namespace cim {
@@ -22,9 +21,6 @@ namespace {
 template <class S>
 struct PrefillKernels {
   using T = TileKernels<S>;
-  using F = typename S::F;
-  using I = typename S::I;
-  static constexpr int kVecs = T::kVecs;
 
   // Rows per prefill block, per compute mode (the traits measure each).
   template <bool kInt8>
