@@ -13,7 +13,10 @@ weight overridable, run in plain ONNX Runtime) over the calibration batches:
    * ``proxy``: no run: the layer's relative output error on its inputs,
      ``sum_k E[x_k^2] sum_n e[k, n]^2 / sum_k E[x_k^2] sum_n w[k, n]^2`` (e the weight error),
      scaled per layer to the exact damage at 4 bits (``L`` runs, one per layer), so that
-     layers are compared at the model's output and widths by the weight error.
+     layers are compared at the model's output and widths by the weight error. With method
+     ``gptq`` every width is quantized by GPTQ and the relative error is taken under the
+     layer input's whole ``X^T X`` (``tr(E^T H E) / tr(W^T H W)``, the output error GPTQ
+     minimises: its codes trade raw weight error for error along the inputs' quiet directions);
 
    ``BITS_SENSITIVITIES`` (option ``bits_sensitivity``); ``auto`` uses ``exact`` while it costs
    at most ``EXACT_MAX_RUNS`` runs, else the proxy;
@@ -44,9 +47,10 @@ import onnx
 from ..contract import DEFAULT_BITS, SUPPORTED_BITS
 from ..ops.reference import dequantize
 from .fold import NotFoldable, Scope
+from .methods import quantize_layer
 from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
 from .probe import Probe
-from .quantize import QuantizedWeight, quantize_weight
+from .quantize import QuantizedWeight
 from .scale_rules import AUTO_CHOICES
 from .widths import FP32_BITS, bits_per_weight
 
@@ -55,6 +59,8 @@ WIDTHS = SUPPORTED_BITS
 LOGITS = "logits"
 # ``auto`` measures exactly while that costs at most this many runs of the model over the batches.
 EXACT_MAX_RUNS = 400
+# relative_error under X^T X goes over output channels in blocks of this many float64 bytes.
+_COLUMN_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class WidthAllocation:
     target_cosine: float
     sensitivity: str
     scale_rule: str
+    method: str = "rtn"  # how every width was quantized: "rtn" or "gptq"
     layers: list[LayerWidth] = field(default_factory=list)
     bits_per_weight: float = 0.0
     cosine_probe: float = 1.0  # worst row, chosen widths, dequantized weights in ORT
@@ -95,8 +102,8 @@ class WidthAllocation:
             for b, n in sorted(counts.items(), key=lambda x: 99 if x[0] is None else x[0])
         )
         lines = [
-            f"  bits auto: {goal}, sensitivity {self.sensitivity}, scale rule {self.scale_rule} "
-            f"({self.runs} model runs)",
+            f"  bits auto: {goal}, sensitivity {self.sensitivity}, method {self.method}, "
+            f"scale rule {self.scale_rule} ({self.runs} model runs)",
             f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
             f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "
             "(dequantized weights in ORT)",
@@ -118,7 +125,23 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None) -> float:
-    """``sum_k p_k sum_n e_kn^2 / sum_k p_k sum_n w_kn^2``, e the weight error of ``qw`` (p = 1 without ``power``)."""
+    """The relative output error of ``qw`` on inputs of second moments ``power``, e its weight error.
+
+    ``power`` [K] (``E[x_k^2]``): ``sum_k p_k sum_n e_kn^2 / sum_k p_k sum_n w_kn^2``; [K, K]
+    (``X^T X``): ``tr(E^T H E) / tr(W^T H W)``; None: p = 1.
+    """
+    if power is not None and power.ndim == 2:
+        h, err, ref = power.astype(np.float64), 0.0, 0.0
+        step = max(1, _COLUMN_BYTES // (8 * len(w)))  # an LM head's [K, N] error would be hundreds of MB at once
+        for n0 in range(0, qw.n, step):
+            part = QuantizedWeight(
+                qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.bits
+            )
+            w64 = w[:, n0 : n0 + step].astype(np.float64)
+            e = dequantize(part.packed, part.scales, part.k, part.group_size, part.bits) - w64
+            err += float(np.einsum("kn,kn->", h @ e, e))
+            ref += float(np.einsum("kn,kn->", h @ w64, w64))
+        return err / max(ref, 1e-30)
     e = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits) - w
     err, ref = np.einsum("kn,kn->k", e, e), np.einsum("kn,kn->k", w, w, dtype=np.float64)
     p = np.ones(w.shape[0]) if power is None else power.astype(np.float64)
@@ -253,11 +276,18 @@ def allocate(
     report = WidthAllocation(options.bits_budget, options.target_cosine, sensitivity, options.scale_rule)
     if not candidates:
         return {}, {}, {}, report, probe
-    power = probe.input_power()
     gs, dtype = options.group_size, options.scale_dtype
+    method = report.method = "gptq" if options.method == "gptq" else "rtn"
+    calibration = None
+    if method == "gptq":  # X^T X per layer input: GPTQ's statistics, and the proxy's weighting
+        calibration = probe.calibrate([])[0]
+        power = {c.key: calibration.stats[probe.inputs[c.key]].xtx for c in candidates if c.key in probe.measured}
+    else:
+        power = probe.input_power()
+    factors: dict = {}
 
     def quantized(i: int, bits: int, rule: str) -> QuantizedWeight:
-        return quantize_weight(candidates[i].w, gs, rule, bits, dtype)
+        return quantize_layer(probe, i, method, rule, bits, options, calibration, factors)
 
     # An LLM's logits, not its KV-cache outputs: those outnumber it and miss the LM head's error entirely.
     scored = [i for i, name in enumerate(probe.outputs) if name == LOGITS] or None
@@ -311,8 +341,12 @@ def allocate(
     start, steps = steps_in_order(costs, damages)
     weights_total = _weights(costs)
 
+    last: dict[tuple[int, int], QuantizedWeight] = {}  # the previous allocation's weights (a bisection reuses most)
+
     def weights_of(widths: Sequence[int | None]) -> dict[str, QuantizedWeight]:
-        return {candidates[i].key: quantized(i, b, rule) for i, b in enumerate(widths) if b is not None}
+        nonlocal last
+        last = {(i, b): last.get((i, b)) or quantized(i, b, rule) for i, b in enumerate(widths) if b is not None}
+        return {candidates[i].key: qw for (i, _), qw in last.items()}
 
     def cosine_of(widths: Sequence[int | None]) -> tuple[float, float, dict[str, QuantizedWeight]]:
         weights = weights_of(widths)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract import DEFAULT_BITS, check_bits, q_range, row_bytes
 from .quantize import DEFAULT_SCALE_DTYPE, QuantizedWeight, pack, stored_dtype, stored_scales
 from .scale_rules import group_scales
 
@@ -41,10 +42,10 @@ DEFAULT_BLOCK = 128
 _ROW_BLOCK_BYTES = 32 << 20
 
 
-def _rounded(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Codes of ``w`` at ``scale`` (the contract's rounding: scale 0 gives 0)."""
+def _rounded(w: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
+    """Signed codes of ``w`` at ``scale``, ``bits`` wide (the contract's rounding: scale 0 gives 0)."""
     safe = np.where(scale != 0, scale, np.float32(1.0))
-    return np.clip(np.rint(w / safe), -8, 7)
+    return np.clip(np.rint(w / safe), *q_range(bits))
 
 
 def _lower_inverse(lower: np.ndarray) -> np.ndarray:
@@ -113,8 +114,14 @@ def gptq_quantize(
     block: int = DEFAULT_BLOCK,
     act_order: bool = False,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    bits: int = DEFAULT_BITS,
 ) -> QuantizedWeight:
-    """GPTQ of a float ``[K, N]`` weight given ``xtx`` = sum of x x^T [K, K] on the calibration rows (or its Factor)."""
+    """GPTQ of a float ``[K, N]`` weight given ``xtx`` = sum of x x^T [K, K] on the calibration rows (or its Factor).
+
+    ``bits``: the code width (contract.SUPPORTED_BITS); the sweep is the same at every width, only
+    the grid (``q_range(bits)``) and the scale rule's divisor (``2^(bits-1)``) change.
+    """
+    check_bits(bits)
     w = np.asarray(w, dtype=np.float32)
     k, n = w.shape
     f = xtx if isinstance(xtx, Factor) else factor(xtx, group_size, damp, act_order)
@@ -126,10 +133,10 @@ def gptq_quantize(
     static = not np.array_equal(perm, np.arange(kp))
     # The block holds whole groups, so a group's scale is chosen from weights the block has updated.
     block = max(group_size, block - block % group_size)
-    packed = np.empty((n, kp // 2), dtype=np.uint8)
+    packed = np.empty((n, row_bytes(kp, bits)), dtype=np.uint8)
     step = max(1, _ROW_BLOCK_BYTES // (4 * kp))
     scales = np.empty((n, groups), dtype=np.dtype(scale_dtype))
-    chosen = _Chooser(scale_rule, scale_dtype)
+    chosen = _Chooser(scale_rule, scale_dtype, bits)
     try:
         for r0 in range(0, n, step):
             wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
@@ -138,11 +145,11 @@ def gptq_quantize(
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
             codes = np.empty_like(q)
             codes[:, perm] = q
-            packed[r0 : r0 + step] = pack(codes.astype(np.int8))
+            packed[r0 : r0 + step] = pack(codes.astype(np.int8), bits)
             scales[r0 : r0 + step] = s
     except _NotStorable:  # float16 cannot hold a scale of this weight: all of them float32, as quantize_weight does
-        return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32")
-    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales)
+        return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32", bits=bits)
+    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits)
 
 
 class _NotStorable(Exception):
@@ -155,9 +162,10 @@ class _Chooser:
 
     scale_rule: str
     scale_dtype: str
+    bits: int
 
     def __call__(self, blocks: np.ndarray) -> np.ndarray:
-        s = group_scales(blocks, self.scale_rule)
+        s = group_scales(blocks, self.scale_rule, self.bits)
         if stored_dtype(s, self.scale_dtype) != self.scale_dtype:
             raise _NotStorable
         return stored_scales(s, self.scale_dtype).astype(np.float32)
@@ -188,7 +196,7 @@ def _sweep(
                 scales[:, g] = chosen(w1[:, None, i : i + group_size])[:, 0]
             s = scales[:, g]
             c = w1[:, i]
-            qc = _rounded(c, s)
+            qc = _rounded(c, s, chosen.bits)
             q[:, col] = qc
             e = (c - qc * s) / u1[i, i]
             w1[:, i + 1 :] -= np.outer(e, u1[i, i + 1 :])
@@ -206,8 +214,8 @@ def weighted_error(w: np.ndarray, qw: QuantizedWeight, xtx: np.ndarray) -> float
     step = max(1, _ROW_BLOCK_BYTES // (8 * max(1, len(w))))
     for n0 in range(0, qw.n, step):
         part = QuantizedWeight(
-            qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step]
+            qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.bits
         )
-        e = dequantize(part.packed, part.scales, qw.k, qw.group_size) - w[:, n0 : n0 + step]
+        e = dequantize(part.packed, part.scales, qw.k, qw.group_size, qw.bits) - w[:, n0 : n0 + step]
         total += float(np.einsum("kn,kn->", xtx @ e, e))
     return total

@@ -69,27 +69,51 @@ def quantize_candidates(
 ) -> dict[str, QuantizedWeight]:
     """Every candidate of ``probe`` quantized with ``method`` ("rtn" or "gptq") and scale rule ``rule``.
 
-    ``widths`` (key -> bits) overrides the widths of ``options.bits`` (rtn only).
+    ``widths`` (key -> bits) overrides the widths of ``options.bits``.
 
     ``factors`` holds GPTQ's factor of the last layer input (q, k and v share theirs), kept across calls.
     """
     out = {}
     factors = {} if factors is None else factors
-    for c in probe.candidates:
-        if method == "gptq" and c.key in probe.measured:  # a layer inside an If/Loop/Scan body: rtn
-            assert calibration is not None
-            x = probe.inputs[c.key]
-            if x not in factors:
-                factors.clear()  # readers of one input come together (q, k, v): one factor alive at a time
-                xtx = calibration.stats[x].xtx
-                factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
-            out[c.key] = gptq_quantize(
-                c.w, factors[x], options.group_size, rule, block=options.gptq_block, scale_dtype=options.scale_dtype
-            )
-        else:
-            bits = widths[c.key] if widths is not None else width_of(options.bits, c.key)
-            out[c.key] = quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype)
+    for i, c in enumerate(probe.candidates):
+        bits = widths[c.key] if widths is not None else width_of(options.bits, c.key)
+        out[c.key] = quantize_layer(probe, i, method, rule, bits, options, calibration, factors)
     return out
+
+
+def quantize_layer(
+    probe: Probe,
+    index: int,
+    method: str,
+    rule: str,
+    bits: int,
+    options: ExportOptions,
+    calibration: Calibration | None,
+    factors: dict[str, Factor],
+) -> QuantizedWeight:
+    """Candidate ``index`` of ``probe`` quantized ``bits`` wide with ``method`` ("rtn" or "gptq") and ``rule``.
+
+    A layer inside an If/Loop/Scan body has no statistics: round-to-nearest. ``factors`` holds
+    GPTQ's factor of the last layer input (q, k and v share theirs), kept across calls.
+    """
+    c = probe.candidates[index]
+    if method != "gptq" or c.key not in probe.measured:
+        return quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype)
+    assert calibration is not None
+    x = probe.inputs[c.key]
+    if x not in factors:
+        factors.clear()  # readers of one input come together (q, k, v): one factor alive at a time
+        xtx = calibration.stats[x].xtx
+        factors[x] = factor(xtx, options.group_size, options.gptq_damp, options.gptq_act_order)
+    return gptq_quantize(
+        c.w,
+        factors[x],
+        options.group_size,
+        rule,
+        block=options.gptq_block,
+        scale_dtype=options.scale_dtype,
+        bits=bits,
+    )
 
 
 class _Scaled(Mapping[str, Stats]):
@@ -214,4 +238,4 @@ def calibrate(
     return result
 
 
-__all__ = ["Calibrated", "RuleChoice", "calibrate", "quantize_candidates"]
+__all__ = ["Calibrated", "RuleChoice", "calibrate", "quantize_candidates", "quantize_layer"]

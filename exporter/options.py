@@ -34,6 +34,7 @@ COMPUTE_CHOICES = ("auto", *COMPUTE_MODES)
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
 DEFAULT_METHOD = "rtn"
 CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that need calibration inputs
+ANY_WIDTH_METHODS = ("rtn", "gptq")  # the methods that quantize at any ``bits`` (the others at 4 only)
 # How bits="auto" measures each layer's sensitivity per width (exporter.allocate).
 BITS_SENSITIVITIES = ("auto", "exact", "proxy")
 
@@ -70,7 +71,8 @@ class ExportOptions:
     * ``bits`` (an int, ``{node name or regex: bits}``, or ``"auto"``), ``bits_budget`` (average
       bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"float16"``, the
       default, or ``"float32"``): the code width of each layer and the stored scales' type
-      (exporter.widths, exporter.allocate, docs/widths.md).
+      (exporter.widths, exporter.allocate, docs/widths.md). Methods ``rtn`` and ``gptq`` quantize
+      at any width (``bits="auto"`` then measures each width under that method); the AWQ ones at 4.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -108,10 +110,10 @@ class ExportOptions:
         check_scale_dtype(self.scale_dtype)
         if self.bits_sensitivity not in BITS_SENSITIVITIES:
             raise ValueError(f"bits_sensitivity must be one of {BITS_SENSITIVITIES}, got {self.bits_sensitivity!r}")
-        if self.method != "rtn" and self.bits != DEFAULT_BITS:
+        if self.method not in ANY_WIDTH_METHODS and self.bits != DEFAULT_BITS:
             raise ValueError(
                 f"method {self.method!r} quantizes at {DEFAULT_BITS} bits only; "
-                f"use method 'rtn' with bits={self.bits!r}"
+                f"use method 'rtn' or 'gptq' with bits={self.bits!r}"
             )
         if self.bits_budget is not None:
             if self.bits != AUTO:

@@ -137,6 +137,33 @@ def test_a_tied_head_and_its_table_share_one_width() -> None:
     assert np.isfinite(dequantize(packed, scales, k, 32, width)).all()
 
 
+def test_gptq_allocates_widths_with_its_own_codes_and_beats_rounding_at_the_budget(llama) -> None:
+    """bits="auto" with method gptq: every width measured and written by GPTQ; the same bytes keep more accuracy."""
+    import re
+
+    model, feeds = llama
+    common = {"feeds": feeds, "bits": "auto", "bits_budget": 3.0, "scale_rule": "signed", "keep_embedding": True}
+    out, summary = export_with_summary(model, method="gptq", **common)
+    allocation = summary.allocation
+    assert allocation.method == "gptq" and "method gptq" in summary.format()
+    assert allocation.bits_per_weight <= 3.0 + 1e-9
+    widths = {x.name: x.bits for x in allocation.layers}
+    assert None not in widths.values() and len(set(widths.values())) > 1
+    # The nodes hold what a fixed-width GPTQ export of the same widths writes.
+    fixed, _ = export_with_summary(
+        model, feeds=feeds, method="gptq", scale_rule="signed", keep_embedding=True,
+        bits={re.escape(name): b for name, b in widths.items()},
+    )  # fmt: skip
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    for t in fixed.graph.initializer:
+        np.testing.assert_array_equal(got[t.name], onnx.numpy_helper.to_array(t), err_msg=t.name)
+    assert [n.attribute for n in out.graph.node] == [n.attribute for n in fixed.graph.node]
+    rtn, _ = export_with_summary(model, **common)
+    ref, gptq_out = _twin_outputs(model, out, feeds)
+    _, rtn_out = _twin_outputs(model, rtn, feeds)
+    assert np.mean(row_cosines(ref, gptq_out)) > np.mean(row_cosines(ref, rtn_out))
+
+
 def test_auto_without_feeds_is_a_one_line_error(llama) -> None:
     model, _ = llama
     with pytest.raises(ValueError, match="bits='auto' needs calibration inputs"):

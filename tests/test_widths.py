@@ -96,8 +96,9 @@ def test_bits_option_parsing_and_matching() -> None:
         ExportOptions(bits_budget=4.0)
     with pytest.raises(ValueError, match="scale_dtype"):
         ExportOptions(scale_dtype="bfloat16")
-    with pytest.raises(ValueError, match="method 'gptq' quantizes at 4 bits"):
-        ExportOptions(method="gptq", bits=3)
+    with pytest.raises(ValueError, match="method 'awq' quantizes at 4 bits"):
+        ExportOptions(method="awq", bits=3)
+    assert ExportOptions(method="gptq", bits=3).bits == 3  # GPTQ sweeps at any width
     assert ExportOptions(bits={"a": 8}).bits == (("a", 8),)
 
 
