@@ -25,8 +25,10 @@ for names in "gptq4 gptq4-g64" "gptq3-g64 auto30-gptq-g64 auto30-gptq-g32"; do
     $py tools/widths_real_llm.py score "$fp32" "$out" $names --rtn "$root/smollm2/int4" \
         --text "$root/text/eval.txt" --max-tokens 8192 --threads 2
 done
-[ -d "$out/genai-gptq4" ] || $py tools/genai_folder.py "$out/gptq4" "$out/genai-gptq4" --compute int8
+for v in gptq4 gptq4-g64; do
+    [ -d "$out/genai-$v" ] || $py tools/genai_folder.py "$out/$v" "$out/genai-$v" --compute int8
+done
 [ -d "$out/genai-default" ] || .venv/bin/cim-int4 genai "$fp32" -o "$out/genai-default" -q
 $py tools/decode_folders.py --threads 1 2 --rounds 5 \
-    "MatMulNBits acc4=$root/smollm2/int4" "default=$out/genai-default" "gptq4=$out/genai-gptq4" \
+    "MatMulNBits acc4=$root/smollm2/int4" "default=$out/genai-default" "gptq4=$out/genai-gptq4" "gptq4-g64=$out/genai-gptq4-g64" \
     --json "$out/decode.json"
