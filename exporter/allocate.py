@@ -4,7 +4,8 @@ The analysis runs on the probe (``exporter.probe``: the model with each candidat
 weight overridable, run in plain ONNX Runtime) over the calibration batches:
 
 1. one run per batch with FP32 weights: the reference outputs and, per candidate whose input
-   is a main-graph tensor, the per-input-channel power ``E[x_k^2]``;
+   is a main-graph tensor, the per-input-channel power ``E[x_k^2]`` (method ``gptq``: the whole
+   ``X^T X``, GPTQ's statistics);
 2. a *damage* per layer and width b in ``WIDTHS`` (FP32 has none): ``1 - cosine`` of the
    outputs (of ``logits`` alone when the model has that output: an LLM's KV-cache outputs
    would outnumber it) with only that layer at b bits, averaged over the calibration rows. Two measures:
@@ -32,8 +33,12 @@ A budget is bits per weight over every candidate layer (codes with K's padding, 
 takes the head's width. Embedding tables without a tied head are not in the budget: they
 get ``DEFAULT_BITS`` (they stream one row per token, not every weight).
 
+With ``gptq`` the damages are measured on the rows GPTQ was fitted on (no held-out split, unlike
+``methods.calibrate``'s choice of method): on few calibration rows they come out optimistic,
+most at the narrowest widths.
+
 Memory: no copy of the model per layer or width; one layer's quantized weight is alive at a
-time besides the chosen ones.
+time besides the chosen ones (and, in a target-cosine bisection, the previous step's).
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None)
     (``X^T X``): ``tr(E^T H E) / tr(W^T H W)``; None: p = 1.
     """
     if power is not None and power.ndim == 2:
-        h, err, ref = power.astype(np.float64), 0.0, 0.0
+        h, err, ref = np.asarray(power, dtype=np.float64), 0.0, 0.0  # no copy when the caller made it float64
         step = max(1, _COLUMN_BYTES // (8 * len(w)))  # an LM head's [K, N] error would be hundreds of MB at once
         for n0 in range(0, qw.n, step):
             part = QuantizedWeight(
@@ -315,9 +320,11 @@ def allocate(
     measured: list[dict[int, float]] = [{} for _ in layers]
     for i in layers:  # one quantization per layer and width; one run per width measured
         c = candidates[i]
+        weighting = power.get(c.key)
+        weighting = None if weighting is None else weighting.astype(np.float64)  # once per layer, not per width
         for b in WIDTHS:
             qw = quantized(i, b, rule)
-            proxy[i][b] = relative_error(c.w, qw, power.get(c.key))
+            proxy[i][b] = relative_error(c.w, qw, weighting)
             if mode == "exact" or b == DEFAULT_BITS:
                 measured[i][b] = mean_damage({c.key: qw}, [i])[0]
             del qw

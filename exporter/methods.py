@@ -76,7 +76,7 @@ def quantize_candidates(
     out = {}
     factors = {} if factors is None else factors
     for i, c in enumerate(probe.candidates):
-        bits = widths[c.key] if widths is not None else width_of(options.bits, c.key)
+        bits = widths[c.key] if widths is not None else width_of(options.bits, c.key, c.name)  # as the rewrite
         out[c.key] = quantize_layer(probe, i, method, rule, bits, options, calibration, factors)
     return out
 
@@ -206,6 +206,7 @@ def calibrate(
                 where.model = shifted
             result.other_runs += sum(p.runs for p, _, _ in shifted_cache.values())
             shifted_cache.clear()
+            cache.clear()  # factors are keyed by id(): a freed Calibration's id may come back
             scaled = Calibration(_Scaled(calibration.stats, scales), calibration.runs, calibration.state_bytes)
             shifted_cache[id(calibration)] = (where, scaled, len(scales))
         where, scaled, result.awq_inputs = shifted_cache[id(calibration)]

@@ -52,6 +52,7 @@ class Candidate:
     bias: np.ndarray | None
     also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
     sources: tuple[str, ...] = ()  # the names the weight was read through
+    name: str = ""  # the node's own name (its output's when unnamed), which a ``bits`` mapping also matches
 
 
 class ProbeRewriter(Rewriter):
@@ -77,7 +78,7 @@ class ProbeRewriter(Rewriter):
         w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
         w = np.ascontiguousarray(plan.w, dtype=np.float32)
         self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
-        self.candidates.append(Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources)))
+        self.candidates.append(Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base))
         if plan.bias is None:
             return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
         b_name = self.fresh(f"{w_name[: -len('weight')]}bias")

@@ -15,6 +15,7 @@ from cim_int4.exporter.gptq import gptq_quantize, weighted_error
 from cim_int4.exporter.probe import Probe
 from cim_int4.exporter.rewrite import node_label
 from cim_int4.exporter.scale_rules import group_scales
+from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.graphs import LlamaConfig, llama_decoder, random_input, single_matmul
 from cim_int4.ops.reference import dequantize, unpack
 from onnx import helper, numpy_helper
@@ -339,6 +340,17 @@ def test_layers_inside_subgraphs_fall_back_to_rounding() -> None:
         q, summary = export_with_summary(model, feeds=feeds, target_cosine=0.0, method=method, scale_rule="mse")
         assert len(summary.rewritten) == 3, summary.format()
     assert q.SerializeToString() == plain.SerializeToString()  # every layer is in a body: each method rounds
+    # A bits mapping names a body's node by its own name, with feeds as without them.
+    widths = {}
+    for method, kw in (("rtn", {}), ("rtn", {"feeds": feeds}), ("gptq", {"feeds": feeds})):
+        q, summary = export_with_summary(
+            model, method=method, target_cosine=0.0, scale_rule="mse", bits={"mm": 8, "body_mm": 2}, **kw
+        )
+        found = {n.name: {a.name: a.i for a in n.attribute}.get("bits", 4) for g in all_graphs(q.graph) for n in g.node
+                 if n.op_type == OP_TYPE}  # fmt: skip
+        widths[(method, bool(kw))] = found
+    assert widths[("rtn", False)]["mm"] == 8 and widths[("rtn", False)]["body_mm"] == 2, widths
+    assert widths[("rtn", True)] == widths[("rtn", False)] == widths[("gptq", True)]
 
 
 TIED = Path(__file__).parent / "genai" / "llama-tied-fp32" / "model.onnx"
