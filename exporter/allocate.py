@@ -37,8 +37,12 @@ With ``gptq`` the damages are measured on the rows GPTQ was fitted on (no held-o
 ``methods.calibrate``'s choice of method): on few calibration rows they come out optimistic,
 most at the narrowest widths.
 
-Memory: no copy of the model per layer or width; one layer's quantized weight is alive at a
-time besides the chosen ones (and, in a target-cosine bisection, the previous step's).
+Memory: the probe holds the one FP32 copy of the weights (read once from the file when the
+export streams, ``api``); GPTQ's ``X^T X`` of every input go to a temporary folder after the
+calibration pass (``calibration.spilled``) and come back an input at a time; one layer's
+quantized weight is alive at a time besides the chosen ones (and, in a target-cosine
+bisection, the previous step's). The export then keeps the FP32 outputs on disk and drops the
+probe's weights before the rewrite and the exported model's check (``Probe.drop_weights``).
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ import onnx
 
 from ..contract import DEFAULT_BITS, SUPPORTED_BITS
 from ..ops.reference import dequantize
+from .calibration import spilled
 from .fold import NotFoldable, Scope
 from .methods import quantize_layer
 from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
-from .probe import Probe
+from .probe import Candidate, Probe, release_memory
 from .quantize import QuantizedWeight
 from .scale_rules import AUTO_CHOICES
 from .widths import FP32_BITS, bits_per_weight
+from .writer import TensorStore
 
 WIDTHS = SUPPORTED_BITS
 # The output an LLM is judged by; when a model has it, damages and cosines are taken on it alone.
@@ -245,50 +251,68 @@ def _weights(costs: Sequence[Mapping[int | None, float]]) -> float:
     return sum(c[None] for c in costs) / 4
 
 
-def table_of_tied(model: onnx.ModelProto, probe: Probe) -> dict[str, str]:
+def table_of_tied(model: onnx.ModelProto, probe: Probe, tensors: TensorStore | None = None) -> dict[str, str]:
     """Candidate key -> the data input of a main-graph Gather on a constant table whose transpose is its weight.
 
     The table is resolved as the rewrite resolves it (through Transpose, Identity, ...), so
-    a head stored once and read by the Gather through a Transpose is found.
+    a head stored once and read by the Gather through a Transpose is found. ``tensors``: the
+    model's weights are in their files (one table read at a time).
     """
-    scope = Scope(model.graph)
-    tables: dict[str, np.ndarray] = {}
+    scope = Scope(model.graph, load=tensors.read if tensors is not None else None)
+    seen: set[str] = set()
+    found: dict[str, str] = {}
     for node in model.graph.node:
-        if node.op_type != "Gather" or not node.input or node.input[0] in tables:
+        if node.op_type != "Gather" or not node.input or node.input[0] in seen:
             continue
         try:
             folded = scope.resolve(node.input[0], "table")
         except NotFoldable:
             continue
-        if folded.value.ndim == 2 and folded.elem_type == onnx.TensorProto.FLOAT:
-            tables[node.input[0]] = folded.value
-    found = {}
-    for c in probe.candidates:
-        for name, table in tables.items():
-            if table.shape == c.w.shape[::-1] and np.array_equal(table.T, c.w):
-                found[c.key] = name
+        seen.add(node.input[0])
+        if folded.value.ndim != 2 or folded.elem_type != onnx.TensorProto.FLOAT:
+            continue
+        for c in probe.candidates:
+            if folded.value.shape == c.w.shape[::-1] and np.array_equal(folded.value.T, c.w):
+                found[c.key] = node.input[0]
     return found
 
 
 def allocate(
-    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions, sensitivity: str = "auto"
+    model: onnx.ModelProto,
+    batches: Sequence[Feeds],
+    options: ExportOptions,
+    sensitivity: str = "auto",
+    tensors: TensorStore | None = None,
 ) -> tuple[dict[str, str], dict[str, QuantizedWeight], dict[str, int], WidthAllocation, Probe]:
-    """Layers kept FP32 (key -> reason), the others' quantized weights, tied tables' widths, the report, the probe."""
+    """Layers kept FP32 (key -> reason), the others' quantized weights, tied tables' widths, the report, the probe.
+
+    ``tensors``: ``model``'s weights are in their files, read from there once into the probe.
+    """
     if sensitivity not in BITS_SENSITIVITIES:
         raise ValueError(f"sensitivity must be one of {BITS_SENSITIVITIES}, got {sensitivity!r}")
-    probe = Probe(model, options, batches, calibrate=True)
+    probe = Probe(model, options, batches, calibrate=True, tensors=tensors)
     candidates = probe.candidates
     report = WidthAllocation(options.bits_budget, options.target_cosine, sensitivity, options.scale_rule)
     if not candidates:
         return {}, {}, {}, report, probe
     gs, dtype = options.group_size, options.scale_dtype
     method = report.method = "gptq" if options.method == "gptq" else "rtn"
-    calibration = None
+    calibration, power = None, {}
     if method == "gptq":  # X^T X per layer input: GPTQ's statistics, and the proxy's weighting
         calibration = probe.calibrate([])[0]
-        power = {c.key: calibration.stats[probe.inputs[c.key]].xtx for c in candidates if c.key in probe.measured}
+        calibration.stats = spilled(calibration.stats)  # read back an input at a time through the analysis
+        release_memory()
     else:
         power = probe.input_power()
+
+    def weighting_of(c: Candidate) -> np.ndarray | None:
+        """The proxy's weighting of a layer's error: its input's X^T X (gptq) or E[x^2], float64; None if unknown."""
+        if calibration is not None:
+            found = calibration.stats[probe.inputs[c.key]].xtx if c.key in probe.measured else None
+        else:
+            found = power.get(c.key)
+        return None if found is None else found.astype(np.float64)
+
     factors: dict = {}
 
     def quantized(i: int, bits: int, rule: str) -> QuantizedWeight:
@@ -320,8 +344,7 @@ def allocate(
     measured: list[dict[int, float]] = [{} for _ in layers]
     for i in layers:  # one quantization per layer and width; one run per width measured
         c = candidates[i]
-        weighting = power.get(c.key)
-        weighting = None if weighting is None else weighting.astype(np.float64)  # once per layer, not per width
+        weighting = weighting_of(c)  # once per layer, not per width
         for b in WIDTHS:
             qw = quantized(i, b, rule)
             proxy[i][b] = relative_error(c.w, qw, weighting)
@@ -337,7 +360,7 @@ def allocate(
         [measured[i][DEFAULT_BITS] for i in layers], [proxy[i][DEFAULT_BITS] for i in layers]
     )
 
-    tied = {} if options.keep_embedding else table_of_tied(model, probe)
+    tied = {} if options.keep_embedding else table_of_tied(model, probe, tensors)
     costs = []
     for c in candidates:
         k, n = c.w.shape
@@ -382,6 +405,10 @@ def allocate(
             j = (lo + hi) // 2
         widths = apply_steps(start, steps[:hi])
         worst, mean, chosen = best if best is not None else cosine_of(widths)
+    if calibration is not None:  # GPTQ's statistics have served: free them before the rewrite and the check
+        calibration.stats = {}
+    power.clear()
+    factors.clear()
     report.cosine_probe, report.mean_cosine_probe = worst, mean
     report.bits_per_weight = 8 * sum(c[b] for c, b in zip(costs, widths, strict=True)) / weights_total
     report.layers = [

@@ -20,8 +20,10 @@ match new inputs), then refits the chosen one on all of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -32,6 +34,9 @@ from ..graphs.feeds import load_feeds
 
 Feeds = Mapping[str, np.ndarray]
 FeedSource = str | os.PathLike | Feeds | Iterable[Feeds]
+# Statistics of every layer input past this size go to a temporary folder while an analysis goes over
+# them one at a time (``spilled``): an LLM's X^T X are hundreds of MB.
+SPILL_BYTES = 64 << 20
 
 
 def _check(feeds: dict[str, np.ndarray], model: onnx.ModelProto, where: str) -> dict[str, np.ndarray]:
@@ -108,11 +113,45 @@ class Stats:
         return Stats(self.xtx + other.xtx, self.abs_sum + other.abs_sum, self.rows + other.rows)
 
 
+class SpilledStats(Mapping[str, Stats]):
+    """``Stats`` per layer input kept in a temporary folder (removed with the object), read back on each access."""
+
+    def __init__(self, stats: Mapping[str, Stats]) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="cim-int4-stats-")
+        self._files: dict[str, tuple[Path, int]] = {}
+        for i, (name, s) in enumerate(stats.items()):
+            path = Path(self._folder.name) / f"{i}.npz"
+            np.savez(path, xtx=s.xtx, abs_sum=s.abs_sum)
+            self._files[name] = (path, s.rows)
+
+    def __getitem__(self, name: str) -> Stats:
+        path, rows = self._files[name]
+        with np.load(path, allow_pickle=False) as f:
+            return Stats(f["xtx"], f["abs_sum"], rows)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def spilled(stats: Mapping[str, Stats], threshold: int | None = None) -> Mapping[str, Stats]:
+    """``stats`` moved to a SpilledStats when over ``threshold`` bytes (SPILL_BYTES) and the disk takes them."""
+    size = sum(s.xtx.nbytes + s.abs_sum.nbytes for s in stats.values())
+    if size <= (SPILL_BYTES if threshold is None else threshold):
+        return stats
+    try:
+        return SpilledStats(stats)
+    except OSError:
+        return stats
+
+
 @dataclass
 class Calibration:
     """Stats per layer input tensor name, and what the pass cost."""
 
-    stats: dict[str, Stats]
+    stats: Mapping[str, Stats]
     runs: int
     state_bytes: int
 

@@ -128,13 +128,13 @@ class ExportOptions:
 
     @property
     def whole_model(self) -> bool:
-        """Whether the export needs every weight in memory (onnxsim does; AWQ rewrites initializers in place;
-        ``bits="auto"`` allocates widths on the model in memory, exporter.allocate).
+        """Whether the export needs every weight in memory (onnxsim does; AWQ rewrites initializers in place).
 
-        Other exports with feeds read each weight from the input file once, into the probe (exporter.probe).
+        Other exports with feeds (``bits="auto"`` too) read each weight from the input file once, into
+        the probe (exporter.probe).
         """
         awq = self.method in ("awq", "awq+gptq", "auto")
-        return self.simplify or (self.feeds is not None and (awq or self.bits == AUTO))
+        return self.simplify or (self.feeds is not None and awq)
 
     def with_(self, **changes: Any) -> ExportOptions:
         """A copy with ``changes`` (field names); TypeError names an unknown one."""

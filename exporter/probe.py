@@ -4,12 +4,15 @@
 reference outputs (a ``ReferenceStore``: in memory while small, else in a temporary folder;
 recomputed with each comparison when even that is too big), and counts its runs. With
 ``calibrate=True`` every candidate's input tensor is also a graph output, for the
-calibration pass (``exporter.calibration``).
+calibration pass (``exporter.calibration``). In a streamed export the FP32 weights are mapped
+from a temporary file (``exporter.weightfile``), so that a run with many layers dequantized
+holds one copy of the weights, not two.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +33,7 @@ from .options import ExportOptions
 from .quantize import QuantizedWeight
 from .rewrite import Rewriter, run_rewrite
 from .subgraph import all_graphs
+from .weightfile import WeightFile, map_weights
 from .writer import TensorStore
 
 # Probe weights are named from this prefix.
@@ -40,6 +44,9 @@ REFERENCE_BYTES = 4 << 30
 REFERENCE_RAM_BYTES = 64 << 20
 # Over this size (float32) they are kept as float16 where that stays finite.
 REFERENCE_COMPACT_BYTES = 512 << 20
+# A streamed export's probe weights past this size are mapped from a temporary file (exporter.weightfile),
+# and a run feeding more than this in dequantized weights first drops the FP32 pages from the process.
+MAP_WEIGHTS_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -229,7 +236,13 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
 
 
 def release_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them after a big model copy is dropped); no-op elsewhere."""
+    """Free what only reference cycles still hold, then hand freed heap pages back to the OS.
+
+    A rewriter's objects refer to each other (bound methods), so the weights it read stay alive
+    until the cyclic collector runs; glibc keeps freed pages after a big model copy is dropped
+    (``malloc_trim``; a no-op elsewhere).
+    """
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -300,6 +313,9 @@ class ReferenceStore:
     def __len__(self) -> int:
         return len(self._memory) + len(self._files)
 
+    def __contains__(self, index: int) -> bool:
+        return index in self._memory or index in self._files
+
 
 class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
@@ -326,6 +342,12 @@ class Probe:
         self.measured = {c.key for c in self.candidates if readers[c.weight_name][1]}
         if calibrate:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
+        self._weight_file: WeightFile | None = None
+        if tensors is not None and sum(c.w.nbytes for c in self.candidates) > MAP_WEIGHTS_BYTES:
+            self._weight_file = map_weights([c.w for c in self.candidates])
+            if self._weight_file is not None:  # the arrays in memory go now (release_memory below)
+                arrays = self._weight_file.arrays
+                self.candidates = [replace(c, w=arrays[i]) for i, c in enumerate(self.candidates)]
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3
         # No arena: it would keep the largest run's activations (an LLM's attention and logits) for good.
@@ -341,10 +363,12 @@ class Probe:
         self.keep_reference = True  # False: FP32 outputs are run again when asked for (when used once)
         self.model: onnx.ModelProto | None = None  # set by whoever needs the probed model back
 
-    def _run(self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    def _run(
+        self, batch: Feeds, weights: Mapping[str, np.ndarray] | None = None, outputs: Sequence[str] | None = None
+    ) -> list[np.ndarray]:
         assert self.session is not None
         self.runs += 1
-        return self.session.run(self.outputs, {**batch, **(weights or {})})
+        return self.session.run(self.outputs if outputs is None else outputs, {**batch, **(weights or {})})
 
     def cosines(
         self,
@@ -362,15 +386,21 @@ class Probe:
             c = self.candidates[i]
             qw = weights[c.key]
             int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits).astype(np.float32)
+        if self._weight_file is not None and sum(w.nbytes for w in int4.values()) > MAP_WEIGHTS_BYTES:
+            self._weight_file.evict()  # the run reads back only the FP32 weights it is fed
+            release_memory()  # and finds no heap the earlier runs left free but resident
         found = []
+        names = self.outputs if scored is None else [self.outputs[i] for i in scored]  # only those are fetched
         for b, rows in [(b, None) for b in range(len(self.batches))] if parts is None else parts:
-            reference, outputs = self.reference(b), self._run(self.batches[b], int4)
+            reference = self.reference(b)
+            if scored is not None:
+                reference = [reference[i] for i in scored]
+            outputs = self._run(self.batches[b], int4, names)
             if rows is not None:  # the rows of the first axis asked for, in every output that has them
                 n = batch_rows(self.batches[b])
                 reference, outputs = [rows_of(r, rows, n) for r in reference], [rows_of(o, rows, n) for o in outputs]
-            if scored is not None:
-                reference, outputs = [reference[i] for i in scored], [outputs[i] for i in scored]
             found.append(row_cosines(reference, outputs))
+            del reference, outputs  # not alive beside the next batch's (an LLM's logits: 100 MB and more each)
         return np.concatenate(found) if found else np.ones(0)
 
     def reference(self, index: int) -> list[np.ndarray]:
@@ -430,8 +460,32 @@ class Probe:
 
     def release_session(self) -> None:
         """Drop the session (its copy of the weights) when the FP32 outputs of every batch are kept."""
-        if self._reference is not None and len(self._reference) == len(self.batches):
+        if self._holds_every_reference():
             self.session = None
+
+    def _holds_every_reference(self) -> bool:
+        return self._reference is not None and len(self._reference) == len(self.batches)
+
+    def drop_weights(self) -> bool:
+        """Free the FP32 weights (candidates and session) once every batch's FP32 outputs are kept; say if done.
+
+        The outputs not kept yet are run now and kept (on disk when large, ``ReferenceStore``), so
+        that the exported model's check needs no FP32 run. False, and nothing dropped, when they do not
+        fit ``REFERENCE_BYTES`` or the disk: the check then runs them again in this probe.
+        """
+        if self.session is None or not self.candidates:
+            return self._holds_every_reference()
+        self.keep_reference = True
+        for i in range(len(self.batches)):
+            if self._too_big:
+                return False
+            if self._reference is None or i not in self._reference:
+                self.reference(i)
+        if not self._holds_every_reference():
+            return False
+        self.session, self.candidates, self._weight_file = None, [], None
+        release_memory()
+        return True
 
     def share_reference(self, other: Probe) -> None:
         """Use ``other``'s kept FP32 outputs (the same function, e.g. a model with AWQ scales folded in)."""

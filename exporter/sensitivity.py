@@ -32,7 +32,7 @@ output and per index of its first axis (the batch), the worst over all of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -44,7 +44,7 @@ from .allocate import allocate
 from .calibration import feed_batches
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import Probe, ReferenceStore, release_memory
+from .probe import Probe, release_memory
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES
@@ -158,27 +158,13 @@ def export_mixed(
         raise ValueError("a mixed-precision export needs feeds (the calibration inputs)")
     batches = feed_batches(options.feeds, model)
     if options.bits == AUTO:
-        return _export_auto_widths(model, batches, options, in_place=owned)
+        return _export_auto_widths(model, batches, options, in_place=owned, tensors=tensors)
     chosen, keep, quantized, report, probe = _plan(model, batches, options, tensors)
-    reference = None
-    if not probe.keep_reference:
-        # The FP32 outputs were not held through the export: run them now into a ReferenceStore (on
-        # disk when large) and drop the probe (its FP32 weights) before the exported model's session
-        # exists. Too big even for that, or no room on disk: the check runs them again in the probe.
-        before, store = probe.runs, None
-        for i in range(len(batches)):
-            outs = probe.reference(i)
-            if i == 0:
-                store = ReferenceStore.for_outputs(len(batches), outs)
-            if store is None or not store.put(i, outs):
-                store = None
-                break
-            del outs
-        report.runs += probe.runs - before
-        if store is not None:
-            reference = store.get
-            probe.session, probe.candidates = None, []
-            release_memory()  # the FP32 weights' pages back to the OS before the rewrite and the check
+    # The FP32 outputs kept (on disk when large) and the probe's FP32 weights dropped before the
+    # rewrite and the exported model's session; when they do not fit, the check runs them again.
+    before = probe.runs
+    probe.drop_weights()
+    report.runs += probe.runs - before
     in_place = owned or chosen is not model
     out, summary = rewrite_model(chosen, options, keep=keep, quantized=quantized, tensors=tensors, in_place=in_place)
     del chosen, model
@@ -190,7 +176,7 @@ def export_mixed(
         summary.scale_rule = f"{options.method} {summary.scale_rule}"
     if summary.rewritten:
         before = probe.runs
-        report.cosine_exported = _exported_cosine(out, probe, summary, reference, tensors)
+        report.cosine_exported = _exported_cosine(out, probe, summary, tensors)
         report.runs += probe.runs - before
         if report.cosine_probe is None:  # target 0: the exported model is the every-layer-INT4 model
             report.cosine_all_int4 = report.cosine_probe = report.cosine_exported
@@ -198,19 +184,14 @@ def export_mixed(
 
 
 def _exported_cosine(
-    out: onnx.ModelProto,
-    probe: Probe,
-    summary: ExportSummary,
-    reference: Callable[[int], list[np.ndarray]] | None = None,
-    tensors: TensorStore | None = None,
+    out: onnx.ModelProto, probe: Probe, summary: ExportSummary, tensors: TensorStore | None = None
 ) -> float | None:
     """Worst cosine of the exported model (run with the op library) vs the FP32 outputs on the probe's batches.
 
-    The FP32 outputs are ``reference(batch index)`` when given, else the probe's (kept, or run
-    again in its session: no second FP32 session). With ``tensors`` (a streamed export) ``out``'s
-    weights are in their files: a copy with them read back is run. None, with a warning in
-    ``summary``, when the op library on this machine does not run the model (widths or scale
-    types whose kernels it does not have yet).
+    The FP32 outputs are the probe's (kept, or run again in its session: no second FP32
+    session). With ``tensors`` (a streamed export) ``out``'s weights are in their files: a copy
+    with them read back is run. None, with a warning in ``summary``, when the op library on this
+    machine does not run the model (widths or scale types whose kernels it does not have yet).
     """
     probe.release_session()
     release_memory()
@@ -225,24 +206,35 @@ def _exported_cosine(
         summary.warnings.append(f"exported model not run here (ONNX Runtime: {str(e).splitlines()[0][:240]})")
         return None
     del check
-    fp32 = reference or probe.reference
-    cos = [row_cosines(fp32(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
+    cos = [row_cosines(probe.reference(i), int4.run(probe.outputs, dict(b))) for i, b in enumerate(probe.batches)]
     return worst(np.concatenate(cos))
 
 
 def _export_auto_widths(
-    model: onnx.ModelProto, batches: Sequence[Feeds], options: ExportOptions, in_place: bool = False
+    model: onnx.ModelProto,
+    batches: Sequence[Feeds],
+    options: ExportOptions,
+    in_place: bool = False,
+    tensors: TensorStore | None = None,
 ) -> tuple[onnx.ModelProto, ExportSummary]:
-    """``bits="auto"``: widths per layer (exporter.allocate), the rewrite, and the exported model's cosine."""
-    keep, quantized, table_widths, allocation, probe = allocate(model, batches, options, options.bits_sensitivity)
+    """``bits="auto"``: widths per layer (exporter.allocate), the rewrite, and the exported model's cosine.
+
+    ``tensors``: as in ``export_mixed`` (the probe holds the one FP32 copy of the weights in memory).
+    """
+    keep, quantized, table_widths, allocation, probe = allocate(
+        model, batches, options, options.bits_sensitivity, tensors
+    )
+    probe.drop_weights()  # as export_mixed: no FP32 weights beside the rewrite and the check
+    allocation.runs = probe.runs
     out, summary = rewrite_model(
-        model, options, keep=keep, quantized=quantized, table_widths=table_widths, in_place=in_place
+        model, options, keep=keep, quantized=quantized, table_widths=table_widths, tensors=tensors, in_place=in_place
     )
     del quantized, model
+    release_memory()
     summary.allocation = allocation
     summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
     if summary.rewritten:
-        allocation.cosine_exported = _exported_cosine(out, probe, summary)
+        allocation.cosine_exported = _exported_cosine(out, probe, summary, tensors)
     return out, summary
 
 

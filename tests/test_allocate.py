@@ -217,16 +217,88 @@ def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:
     assert all({a.name: a.i for a in h.attribute}.get("bits", 4) == head.bits for h in heads)
 
 
-def test_auto_from_a_file_is_the_export_from_memory(tmp_path: Path) -> None:
-    """Other exports with feeds stream their weights from the file; bits="auto" allocates on the whole model."""
-    from cim_int4.exporter import export_int4
+@pytest.mark.parametrize(("method", "mapped"), [("rtn", False), ("gptq", False), ("gptq", True)])
+def test_auto_from_a_file_is_the_export_from_memory(tmp_path: Path, method: str, mapped: bool, monkeypatch) -> None:
+    """From a file, bits="auto" reads each weight once into the probe and streams the output: the same export.
+
+    ``mapped``: the probe's FP32 weights mapped from a temporary file, dropped before runs with many
+    layers dequantized (as a real LLM's are).
+    """
+    import cim_int4.exporter.probe as probe
+    from cim_int4.exporter import ExportOptions, export_int4
     from onnx import numpy_helper
 
+    evicted = []
+    if mapped:
+        monkeypatch.setattr(probe, "MAP_WEIGHTS_BYTES", 0)
+        real = probe.WeightFile.evict
+        monkeypatch.setattr(probe.WeightFile, "evict", lambda self: (evicted.append(1), real(self)))
     path, model, feeds = _genai_decoder("llama-tied-fp32")
-    options = {"feeds": feeds, "bits": "auto", "bits_budget": 4.5, "scale_rule": "signed"}
+    options = {"feeds": feeds, "bits": "auto", "bits_budget": 4.5, "scale_rule": "signed", "method": method}
+    assert not ExportOptions(**options).whole_model
     export_int4(path, tmp_path / "auto.onnx", quiet=True, external_data=True, **options)
     mem, _ = export_with_summary(model, **options)
     streamed = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "auto.onnx").graph.initializer}
     assert streamed.keys() == {t.name for t in mem.graph.initializer}
     for t in mem.graph.initializer:
         np.testing.assert_array_equal(streamed[t.name], numpy_helper.to_array(t), err_msg=t.name)
+    assert bool(evicted) == mapped
+
+
+def test_gptq_statistics_spilled_to_disk_give_the_same_export(llama, monkeypatch) -> None:
+    """Past SPILL_BYTES the X^T X of every input wait in a temporary folder: the export is unchanged."""
+    import cim_int4.exporter.calibration as calibration
+
+    model, feeds = llama
+    options = {"feeds": feeds, "bits": "auto", "bits_budget": 3.5, "method": "gptq", "keep_embedding": True}
+    kept, _ = export_with_summary(model, **options)
+    made = []
+    real = calibration.SpilledStats
+
+    def spy(stats):  # noqa: ANN001, ANN202
+        made.append(real(stats))
+        return made[-1]
+
+    monkeypatch.setattr(calibration, "SPILL_BYTES", 0)
+    monkeypatch.setattr(calibration, "SpilledStats", spy)
+    spilled, _ = export_with_summary(model, **options)
+    assert made and len(made[0]) > 1
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in spilled.graph.initializer}
+    for t in kept.graph.initializer:
+        np.testing.assert_array_equal(got[t.name], onnx.numpy_helper.to_array(t), err_msg=t.name)
+    assert [n.attribute for n in spilled.graph.node] == [n.attribute for n in kept.graph.node]
+
+
+def test_spilled_stats_read_back_what_was_kept() -> None:
+    from cim_int4.exporter.calibration import SpilledStats, Stats, spilled
+
+    rng = np.random.default_rng(0)
+    stats = {f"x{i}": Stats(rng.standard_normal((k, k)).astype(np.float32), rng.random(k), rows=7 * k)
+             for i, k in enumerate((3, 8))}  # fmt: skip
+    assert spilled(stats) is stats  # small: stays in memory
+    disk = spilled(stats, threshold=0)
+    assert isinstance(disk, SpilledStats) and list(disk) == list(stats) and len(disk) == 2
+    for name, s in stats.items():
+        back = disk[name]
+        np.testing.assert_array_equal(back.xtx, s.xtx)
+        np.testing.assert_array_equal(back.abs_sum, s.abs_sum)
+        assert back.rows == s.rows and back.xtx.dtype == np.float32
+    folder = Path(disk._folder.name)
+    assert folder.is_dir()
+    del disk
+    assert not folder.exists()  # removed with the object
+
+
+def test_weight_file_maps_the_arrays_back_read_only() -> None:
+    from cim_int4.exporter.weightfile import map_weights
+
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in ((3, 5), (1, 1), (700, 9), (0, 4))]
+    file = map_weights(arrays)
+    assert file is not None and file.nbytes % 4096 == 0
+    for a, m in zip(arrays, file.arrays, strict=True):
+        assert m.shape == a.shape and m.dtype == np.float32 and not m.flags.writeable
+        np.testing.assert_array_equal(m, a)
+    file.evict()  # pages leave the process, the values do not
+    for a, m in zip(arrays, file.arrays, strict=True):
+        np.testing.assert_array_equal(m, a)

@@ -64,9 +64,11 @@ def _wrap(owner: object, name: str, label: str, sampler: Sampler, log: list) -> 
         finally:
             log.append((label, before, sampler.mark(), _rss(), time.perf_counter() - t0))
             anon, file = _status("RssAnon"), _status("RssFile")
-            print(f"  {label:<28} entry {before / 2**20:7.0f} MiB  peak {log[-1][2] / 2**20:7.0f} MiB  "
-                  f"exit {log[-1][3] / 2**20:7.0f} MiB (anon {anon / 2**20:.0f}, file {file / 2**20:.0f})  "
-                  f"{log[-1][4]:6.1f} s", flush=True)  # fmt: skip
+            mine = [row for row in log[:-1] if row[0] == label]
+            if len(mine) < 2 or log[-1][2] > max(row[2] for row in mine):  # a phase called per layer: its new highs
+                print(f"  {label:<28} entry {before / 2**20:7.0f} MiB  peak {log[-1][2] / 2**20:7.0f} MiB  "
+                      f"exit {log[-1][3] / 2**20:7.0f} MiB (anon {anon / 2**20:.0f}, file {file / 2**20:.0f})  "
+                      f"{log[-1][4]:6.1f} s", flush=True)  # fmt: skip
 
     setattr(owner, name, inner)
 
@@ -81,8 +83,12 @@ def main() -> None:
     p.add_argument("--rule", default="mse")
     p.add_argument("--bos", type=int, default=None)
     p.add_argument("--act-order", action="store_true", help="GPTQ sweeps channels by decreasing H[k, k]")
+    p.add_argument(
+        "--options", default="{}", help='more export options as JSON, e.g. \'{"bits": "auto", "bits_budget": 3.0}\''
+    )
     args = p.parse_args()
 
+    import cim_int4.exporter.allocate as allocate
     import cim_int4.exporter.api as api
     import cim_int4.exporter.methods as methods
     import cim_int4.exporter.probe as probe
@@ -97,6 +103,7 @@ def main() -> None:
     _wrap(probe.Probe, "calibrate", "calibration pass", sampler, log)
     _wrap(probe.Probe, "cosines", "probe run (int4 weights)", sampler, log)
     _wrap(methods, "quantize_candidates", "quantize", sampler, log)
+    _wrap(allocate, "relative_error", "bits auto: a width's error", sampler, log)
     _wrap(sensitivity, "rewrite_model", "rewrite", sampler, log)
     _wrap(sensitivity, "proto_session", "exported model's session", sampler, log)
     _wrap(api, "_commit", "write", sampler, log)
@@ -117,13 +124,22 @@ def main() -> None:
                       **{f"past_key_values.{j}.{kv_}": np.zeros(kv, np.float32)
                          for j in range(config["num_hidden_layers"]) for kv_ in ("key", "value")}})  # fmt: skip
     t0 = time.perf_counter()
+    options = {"target_cosine": 0.0, "gptq_act_order": args.act_order, **json.loads(args.options)}
     export_int4(folder / config["filename"], args.out, method=args.method, scale_rule=args.rule, feeds=feeds,
-                target_cosine=0.0, external_data=True, quiet=True, gptq_act_order=args.act_order)  # fmt: skip
+                external_data=True, quiet=True, **options)  # fmt: skip
     seconds = time.perf_counter() - t0
+    for label in dict.fromkeys(row[0] for row in log):
+        mine = [row for row in log if row[0] == label]
+        print(
+            f"  {label:<28} {len(mine):5d} call(s), highest peak {max(r[2] for r in mine) / 2**20:7.0f} MiB, "
+            f"{sum(r[4] for r in mine):7.1f} s in all",
+            flush=True,
+        )
     usage = resource.getrusage(resource.RUSAGE_SELF)
     peak = usage.ru_maxrss * 1024
     weights = (folder / (config["filename"] + ".data")).stat().st_size
-    print(json.dumps({"method": args.method, "rule": args.rule, "windows": args.windows, "seconds": seconds,
+    print(json.dumps({"method": args.method, "options": json.loads(args.options), "rule": args.rule,
+                      "windows": args.windows, "seconds": seconds,
                       "cpu_seconds": usage.ru_utime + usage.ru_stime,
                       "peak_rss": peak, "fp32_bytes": weights, "peak_over_fp32": peak / weights}))  # fmt: skip
 
