@@ -137,9 +137,10 @@ def export_int4(
 
     What to do is an ExportOptions: ``options``, with any of its fields given by name as
     keywords (``export_int4(path, out, group_size=64, compute="int8")``; see ExportOptions for
-    each). From a path (without ``simplify``, or AWQ or ``bits="auto"`` with ``feeds``; see
+    each). From a path (without ``simplify``, or AWQ with ``feeds``; see
     ``ExportOptions.whole_model``), weights are read one at a time and the output is written as
-    it goes, so memory stays well under the model's size. The output
+    it goes, so memory stays well under the model's size (with ``feeds``, the probe holds one FP32
+    copy of the weights: docs/methods.md, "Memory and time of a calibrated export"). The output
     keeps its tensors in ``<output>.data`` when over 1 GiB, or always with ``external_data=True``:
     a session loaded from it then holds 2x the int4 weights instead of 3x (docs/design.md,
     "Session memory"). When a streamed output has external data, the returned model refers to

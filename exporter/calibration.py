@@ -119,15 +119,20 @@ class SpilledStats(Mapping[str, Stats]):
     def __init__(self, stats: Mapping[str, Stats]) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="cim-int4-stats-")
         self._files: dict[str, tuple[Path, int]] = {}
+        self._last: tuple[str, Stats] | None = None
         for i, (name, s) in enumerate(stats.items()):
             path = Path(self._folder.name) / f"{i}.npz"
             np.savez(path, xtx=s.xtx, abs_sum=s.abs_sum)
             self._files[name] = (path, s.rows)
 
     def __getitem__(self, name: str) -> Stats:
+        if self._last is not None and self._last[0] == name:  # q, k and v ask for one input in a row
+            return self._last[1]
         path, rows = self._files[name]
         with np.load(path, allow_pickle=False) as f:
-            return Stats(f["xtx"], f["abs_sum"], rows)
+            stats = Stats(f["xtx"], f["abs_sum"], rows)
+        self._last = (name, stats)
+        return stats
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)

@@ -416,11 +416,15 @@ class Probe:
         if not self.keep_reference or self._too_big:
             return
         if self._reference is None:
-            self._reference = ReferenceStore.for_outputs(len(self.batches), outs)
+            try:
+                self._reference = ReferenceStore.for_outputs(len(self.batches), outs)
+            except OSError:  # no temporary folder: run them again when asked for
+                self._reference = None
             if self._reference is None:
                 self._too_big = True
                 return
-        self._reference.put(index, outs)
+        if not self._reference.put(index, outs):
+            self._too_big = True  # the disk is full: keep no more (those kept stay usable)
 
     def calibrate(self, held: Sequence[Part]) -> tuple[Calibration, Calibration | None]:
         """``calibration.collect`` over the batches for every candidate's input; the FP32 outputs kept too, if asked."""
@@ -482,6 +486,8 @@ class Probe:
             if self._reference is None or i not in self._reference:
                 self.reference(i)
         if not self._holds_every_reference():
+            if self._weight_file is not None:  # kept for the check's reruns, but off the resident set meanwhile
+                self._weight_file.evict()
             return False
         self.session, self.candidates, self._weight_file = None, [], None
         release_memory()

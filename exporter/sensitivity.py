@@ -195,13 +195,13 @@ def _exported_cosine(
     """
     probe.release_session()
     release_memory()
-    check = out
-    if tensors is not None:  # the int4 tensors come back from the output's data file
+    check, own = out, tensors is not None
+    if own:  # the int4 tensors come back from the output's data file, into a copy ORT then takes from a file
         check = onnx.ModelProto()
         check.CopyFrom(out)
         tensors.inline(check)
     try:
-        int4 = proto_session(check, session_options(pin=False))
+        int4 = proto_session(check, session_options(pin=False), via_file=own, consume=own)
     except Exception as e:  # noqa: BLE001 - ORT raises several types for a node the library refuses
         summary.warnings.append(f"exported model not run here (ONNX Runtime: {str(e).splitlines()[0][:240]})")
         return None
@@ -235,6 +235,7 @@ def _export_auto_widths(
     summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
     if summary.rewritten:
         allocation.cosine_exported = _exported_cosine(out, probe, summary, tensors)
+        allocation.runs = probe.runs  # FP32 reruns, when the outputs could not be kept
     return out, summary
 
 

@@ -202,6 +202,22 @@ def test_large_models_go_to_ort_as_files_with_external_data(llama, calibration, 
     assert b.cosine_exported == pytest.approx(a.cosine_exported, abs=1e-6)
 
 
+def test_a_session_through_a_file_leaves_the_model_whole_unless_consumed(llama: onnx.ModelProto, calibration) -> None:
+    """The exported model's check hands ORT a file it made from its own copy (consume): one copy of the bytes."""
+    from cim_int4.ops.ort_model import proto_session
+
+    before = llama.SerializeToString()
+    names = [o.name for o in llama.graph.output]
+    kept = proto_session(llama, ort.SessionOptions(), via_file=True)
+    assert llama.SerializeToString() == before
+    copy = onnx.ModelProto()
+    copy.CopyFrom(llama)
+    taken = proto_session(copy, ort.SessionOptions(), via_file=True, consume=True)
+    assert copy.ByteSize() < len(before) // 2  # its tensors' bytes went to the file
+    for a, b in zip(kept.run(names, calibration), taken.run(names, calibration), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_target_zero_keeps_nothing_and_reports_the_all_int4_cosine(llama: onnx.ModelProto, calibration) -> None:
     q, summary = export_with_summary(llama, scale_rule="balanced", feeds=calibration, target_cosine=0.0)
     report = summary.mixed_precision
