@@ -141,10 +141,14 @@ class SpilledStats(Mapping[str, Stats]):
         return len(self._files)
 
 
+def state_bytes(stats: Mapping[str, Stats]) -> int:
+    """The bytes ``stats`` hold in memory (``X^T X`` and ``sum |x|`` of every input)."""
+    return sum(s.xtx.nbytes + s.abs_sum.nbytes for s in stats.values())
+
+
 def spilled(stats: Mapping[str, Stats], threshold: int | None = None) -> Mapping[str, Stats]:
     """``stats`` moved to a SpilledStats when over ``threshold`` bytes (SPILL_BYTES) and the disk takes them."""
-    size = sum(s.xtx.nbytes + s.abs_sum.nbytes for s in stats.values())
-    if size <= (SPILL_BYTES if threshold is None else threshold):
+    if state_bytes(stats) <= (SPILL_BYTES if threshold is None else threshold):
         return stats
     try:
         return SpilledStats(stats)
@@ -229,7 +233,7 @@ def collect(
             out[name].add(rows_of(x, cut, rows))
             fit[name].add(np.delete(x, np.arange(rows)[cut], axis=0))
         del values
-    state = sum(s.xtx.nbytes + s.abs_sum.nbytes for s in fit.values())
+    state = state_bytes(fit)
     first = Calibration(fit, len(batches), state)
     return first, (None if out is None else Calibration(out, 0, state))
 

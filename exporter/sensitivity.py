@@ -225,7 +225,6 @@ def _export_auto_widths(
         model, batches, options, options.bits_sensitivity, tensors
     )
     probe.drop_weights()  # as export_mixed: no FP32 weights beside the rewrite and the check
-    allocation.runs = probe.runs
     out, summary = rewrite_model(
         model, options, keep=keep, quantized=quantized, table_widths=table_widths, tensors=tensors, in_place=in_place
     )
@@ -235,7 +234,7 @@ def _export_auto_widths(
     summary.scale_rule = f"auto: {allocation.scale_rule}" if options.scale_rule == "auto" else options.scale_rule
     if summary.rewritten:
         allocation.cosine_exported = _exported_cosine(out, probe, summary, tensors)
-        allocation.runs = probe.runs  # FP32 reruns, when the outputs could not be kept
+    allocation.runs = probe.runs  # with the outputs kept for the check, or its FP32 reruns
     return out, summary
 
 
