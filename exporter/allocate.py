@@ -96,8 +96,10 @@ class WidthAllocation:
     method: str = "rtn"  # how every width was quantized: "rtn" or "gptq"
     layers: list[LayerWidth] = field(default_factory=list)
     bits_per_weight: float = 0.0
-    cosine_probe: float = 1.0  # worst row, chosen widths, dequantized weights in ORT
-    mean_cosine_probe: float = 1.0
+    # Worst row and mean, chosen widths, dequantized weights in ORT: measured for a target cosine
+    # (its bisection); None under a budget, where the exported model's check is the measurement.
+    cosine_probe: float | None = None
+    mean_cosine_probe: float | None = None
     cosine_exported: float | None = None
     runs: int = 0
     rank_correlation: float | None = None  # Spearman, proxy vs exact damage at 4 bits (when both were measured)
@@ -116,9 +118,12 @@ class WidthAllocation:
             f"  bits auto: {goal}, sensitivity {self.sensitivity}, method {self.method}, "
             f"scale rule {self.scale_rule} ({self.runs} model runs)",
             f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
-            f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "
-            "(dequantized weights in ORT)",
         ]
+        if self.cosine_probe is not None and self.mean_cosine_probe is not None:
+            lines.append(
+                f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "
+                "(dequantized weights in ORT)"
+            )
         if self.rank_correlation is not None:
             lines.append(f"    proxy vs exact damage at 4 bits: Spearman rank correlation {self.rank_correlation:.3f}")
         if self.cosine_exported is not None:
@@ -383,9 +388,13 @@ def allocate(
         rows = probe.cosines([i for i, b in enumerate(widths) if b is not None], weights, scored=scored)
         return float(rows.min()), float(rows.mean()), weights
 
+    worst: float | None = None
+    mean: float | None = None
     if options.bits_budget is not None:
+        # No probe run of the chosen widths: it would hold every layer's dequantized weight at once
+        # (the export's peak), and the exported model's check measures the same widths with the op.
         widths = within_budget(start, steps, costs, damages, options.bits_budget * weights_total / 8)
-        worst, mean, chosen = cosine_of(widths)
+        chosen = weights_of(widths)
     else:
         # The fewest steps (bytes) whose allocation reaches the target: a guess from the damages
         # (assumed to add), then bisection with full runs; taking every step (all FP32) reaches it.
