@@ -16,6 +16,7 @@ from ..contract import OP_DOMAIN, OP_TYPE
 from . import writer
 from .io import ModelFileError, read_model
 from .options import CALIBRATED, ExportOptions
+from .probe import bounded_heap
 from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model
@@ -224,7 +225,8 @@ def _export(
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
-        quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
+        with bounded_heap():
+            quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
     if note:
         summary.warnings.insert(0, note)
     # An embedding alone is not an export (an int4 model's FP32 Gather, say): the MatMuls are what count.

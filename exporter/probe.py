@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import onnxruntime as ort
 from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
+from ..contract import unpack
 from ..metrics import row_cosines
 from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
@@ -60,6 +63,25 @@ class Candidate:
     also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
     sources: tuple[str, ...] = ()  # the names the weight was read through
     name: str = ""  # the node's own name (its output's when unnamed), which a ``bits`` mapping also matches
+    codes: Codes | None = None  # the inputs that make the product dequantize in the graph (None: feed W only)
+    product: str = ""  # the product's output (before a bias Add)
+
+
+@dataclass(frozen=True)
+class Codes:
+    """Inputs of a probe product that dequantizes in ORT: ``x @ reshape(q [G, gs, N] * scales [G, 1, N], [K, N])``.
+
+    ``select`` (bool, default False) picks that branch of an If around the product; ``q`` (int8
+    [K, N], default empty) holds the signed codes and ``scales`` (float32 [K / gs, 1, N]) the group
+    scales. Fed a layer's codes (1 byte a weight), a run holds no float32 copy of its weight: ORT makes
+    one for the node and frees it, so a run with every layer quantized holds a quarter of the bytes.
+    The product is the float32 rounding of ``q * scale``, as ``ops.reference.dequantize`` gives.
+    """
+
+    select: str
+    q: str
+    scales: str
+    group_size: int
 
 
 class ProbeRewriter(Rewriter):
@@ -71,6 +93,7 @@ class ProbeRewriter(Rewriter):
         super().__init__(model, options, tensors=tensors)
         self.candidates: list[Candidate] = []
         self.probe_weights: list[onnx.ValueInfoProto] = []  # graph inputs, fed the candidates' arrays
+        self.probe_defaults: list[onnx.TensorProto] = []  # the defaults of the inputs of ``Codes``
 
     def core(
         self,
@@ -82,19 +105,73 @@ class ProbeRewriter(Rewriter):
         initializers: list[onnx.TensorProto],
         table: object = None,
     ) -> tuple[list[onnx.NodeProto], int | None]:
-        w_name = self.fresh(f"{PROBE_PREFIX}{len(self.candidates)}.weight")
+        index = len(self.candidates)
+        w_name = self.fresh(f"{PROBE_PREFIX}{index}.weight")
         w = np.ascontiguousarray(plan.w, dtype=np.float32)
         self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
-        self.candidates.append(Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base))
+        product = out if plan.bias is None else self.fresh(f"{out}/matmul")
+        codes = self._codes(index, w.shape) if self.opset >= 11 else None
+        if codes is None:
+            node = helper.make_node("MatMul", [x, w_name], [product], name=base)
+        else:
+            node = self._select(codes, x, w_name, w.shape, product, base)
+        self.candidates.append(
+            Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base, codes=codes, product=product)
+        )
         if plan.bias is None:
-            return [helper.make_node("MatMul", [x, w_name], [out], name=base)], None
+            return [node], None
         b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
         initializers.append(numpy_helper.from_array(plan.bias, b_name))
-        product = self.fresh(f"{out}/matmul")
-        return [
-            helper.make_node("MatMul", [x, w_name], [product], name=base),
-            helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias"),
-        ], None
+        return [node, helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias")], None
+
+    def _codes(self, index: int, shape: tuple[int, ...]) -> Codes | None:
+        """A candidate's ``Codes`` inputs (main-graph inputs with empty defaults); None when K is not whole groups."""
+        k, n = shape
+        gs = self.options.group_size
+        if k % gs:
+            return None  # the padded codes would need a Slice: such a layer is fed its float32 weight
+        codes = Codes(*(self.fresh(f"{PROBE_PREFIX}{index}.{part}") for part in ("dequantize", "codes", "scales")), gs)
+        T = onnx.TensorProto
+        self.probe_weights += [
+            helper.make_tensor_value_info(codes.select, T.BOOL, []),
+            helper.make_tensor_value_info(codes.q, T.INT8, [None, None]),
+            helper.make_tensor_value_info(codes.scales, T.FLOAT, [None, None, None]),
+        ]
+        self.probe_defaults += [
+            numpy_helper.from_array(np.array(False), codes.select),
+            numpy_helper.from_array(np.zeros((0, 0), np.int8), codes.q),
+            numpy_helper.from_array(np.zeros((0, 0, 0), np.float32), codes.scales),
+        ]
+        return codes
+
+    def _select(
+        self, codes: Codes, x: str, w_name: str, shape: tuple[int, ...], product: str, base: str
+    ) -> onnx.NodeProto:
+        """``If(select)``: then ``x @ dequantized codes``, else ``x @ W``; the dequantized W lives in the node only."""
+        k, n = shape
+        T = onnx.TensorProto
+        grouped, flat, qf, q3, w3, w, y, yw = (
+            self.fresh(f"{product}/{part}") for part in ("grouped", "flat", "qf", "q3", "w3", "w", "y", "yw")
+        )
+        gs = codes.group_size
+        shapes = [numpy_helper.from_array(np.array(dims, np.int64)) for dims in ([k // gs, gs, n], [k, n])]
+        then = helper.make_graph(
+            [
+                helper.make_node("Constant", [], [grouped], value=shapes[0]),
+                helper.make_node("Constant", [], [flat], value=shapes[1]),
+                helper.make_node("Cast", [codes.q], [qf], to=T.FLOAT),
+                helper.make_node("Reshape", [qf, grouped], [q3]),
+                helper.make_node("Mul", [q3, codes.scales], [w3]),
+                helper.make_node("Reshape", [w3, flat], [w]),
+                helper.make_node("MatMul", [x, w], [y]),
+            ],
+            f"{base}/dequantized",
+            [],
+            [helper.make_tensor_value_info(y, T.FLOAT, None)],
+        )
+        fp32 = [helper.make_node("MatMul", [x, w_name], [yw])]
+        other = helper.make_graph(fp32, f"{base}/fp32", [], [helper.make_tensor_value_info(yw, T.FLOAT, None)])
+        return helper.make_node("If", [codes.select], [product], name=base, then_branch=then, else_branch=other)
 
 
 class WeightFeeding:
@@ -200,6 +277,7 @@ def probe_model(
     assert isinstance(rewriter, ProbeRewriter)
     out.graph.input.extend(rewriter.probe_weights)
     candidates = _share_weights(out.graph, rewriter.candidates, originals)
+    out.graph.initializer.extend(rewriter.probe_defaults)  # after _share_weights: none of them is a weight
     originals.fill(out)
     return out, candidates
 
@@ -233,6 +311,37 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
     for name, i in shared.items():
         out[i] = replace(out[i], also=(*out[i].also, name))
     return out
+
+
+# While a calibrated export runs, blocks from this size on are mapped, and unmapped when freed, instead
+# of coming from glibc's heaps: ORT's per-node buffers (the probe session has no arena) and NumPy's
+# temporaries of many sizes interleave there, and freed heap pages stay resident. Measured on a
+# 0.1B LLM (docs/methods.md): a probe run with every layer quantized peaked at 1.29-1.59 GB, with it 1.0 GB.
+HEAP_MMAP_BYTES = 1 << 20
+# Afterwards the threshold is left where glibc's own sliding threshold ends after large frees (its
+# 64-bit maximum): the process keeps the heap's speed for the mid-sized blocks.
+_MMAP_BYTES_AFTER = 32 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+@contextmanager
+def bounded_heap() -> Iterator[None]:
+    """Map blocks of ``HEAP_MMAP_BYTES`` and more while inside (glibc; nothing elsewhere or when the user set it).
+
+    An environment variable (``MALLOC_MMAP_THRESHOLD_``, or the tunable in ``GLIBC_TUNABLES``) wins.
+    """
+    libc = None
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", ""):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)
+        except (OSError, AttributeError):
+            libc = None
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES_AFTER)
 
 
 def release_memory() -> None:
@@ -317,6 +426,19 @@ class ReferenceStore:
         return index in self._memory or index in self._files
 
 
+def _feeds_of(c: Candidate, qw: QuantizedWeight) -> dict[str, np.ndarray]:
+    """What a run feeds to give candidate ``c`` the weight ``qw``: its codes (``Codes``), else its float32 weight."""
+    k, n = c.w.shape
+    if c.codes is None or qw.group_size != c.codes.group_size or (qw.k, qw.n) != (k, n):
+        return {c.weight_name: dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits).astype(np.float32)}
+    groups = k // qw.group_size
+    return {
+        c.codes.select: np.array(True),
+        c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits)[:, :k].T),  # [K, N] int8
+        c.codes.scales: np.ascontiguousarray(qw.scales[:, :groups].astype(np.float32).T[:, None, :]),  # [G, 1, N]
+    }
+
+
 class Probe:
     """One probe session of ``model``: run it over the batches with some layers' INT4 weights, get row cosines."""
 
@@ -331,15 +453,16 @@ class Probe:
         probe, self.candidates = probe_model(model, options, tensors)
         self.outputs = [o.name for o in probe.graph.output]
         readers = {
-            n.input[1]: (n.input[0], g is probe.graph)
+            n.input[1]: n.input[0]
             for g in all_graphs(probe.graph)
             for n in g.node
             if n.op_type == "MatMul" and len(n.input) == 2
         }
         # The tensor each candidate's product reads (after the export's Cast/Transpose, as the op will);
         # only those of the main graph can be graph outputs, so only their statistics are gathered.
-        self.inputs = {c.key: readers[c.weight_name][0] for c in self.candidates}
-        self.measured = {c.key for c in self.candidates if readers[c.weight_name][1]}
+        self.inputs = {c.key: readers[c.weight_name] for c in self.candidates}
+        made = {o for n in probe.graph.node for o in n.output}  # a product made in the main graph (maybe by an If)
+        self.measured = {c.key for c in self.candidates if c.product in made}
         if calibrate:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         self._weight_file: WeightFile | None = None
@@ -383,9 +506,7 @@ class Probe:
         """
         int4 = {}
         for i in layers:
-            c = self.candidates[i]
-            qw = weights[c.key]
-            int4[c.weight_name] = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits).astype(np.float32)
+            int4.update(_feeds_of(self.candidates[i], weights[self.candidates[i].key]))
         if self._weight_file is not None and sum(w.nbytes for w in int4.values()) > MAP_WEIGHTS_BYTES:
             self._weight_file.evict()  # the run reads back only the FP32 weights it is fed
             release_memory()  # and finds no heap the earlier runs left free but resident
