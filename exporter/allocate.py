@@ -57,9 +57,11 @@ from ..contract import DEFAULT_BITS, SUPPORTED_BITS
 from ..ops.reference import dequantize
 from .calibration import spilled
 from .fold import NotFoldable, Scope
+from .memory import release_memory
 from .methods import quantize_layer
 from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
-from .probe import Candidate, Probe, release_memory
+from .probe import Probe
+from .probe_model import Candidate
 from .quantize import QuantizedWeight
 from .scale_rules import AUTO_CHOICES
 from .widths import FP32_BITS, bits_per_weight

@@ -15,8 +15,8 @@ from onnx import helper
 from ..contract import OP_DOMAIN, OP_TYPE
 from . import writer
 from .io import ModelFileError, read_model
+from .memory import bounded_heap
 from .options import CALIBRATED, ExportOptions
-from .probe import bounded_heap
 from .rewrite import rewrite_model
 from .sensitivity import export_mixed
 from .simplify import simplify_model

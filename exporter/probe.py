@@ -1,4 +1,4 @@
-"""The probe: the export's rewrite with ``x @ W`` in place of CimInt4MatMul, W fed per run; and a session of it.
+"""The probe: a session of the probe model (``exporter.probe_model``), run with some layers' INT4 weights.
 
 ``Probe`` holds one ORT session of a probe model, the calibration batches, and the FP32
 reference outputs (a ``ReferenceStore``: in memory while small, else in a temporary folder;
@@ -11,167 +11,29 @@ holds one copy of the weights, not two.
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import os
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from google.protobuf.message import Message
-from onnx import helper, numpy_helper
 
 from ..contract import unpack
 from ..metrics import row_cosines
 from ..ops.ort_model import proto_session
 from ..ops.reference import dequantize
 from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
-from .operands import Plan
+from .memory import ReferenceStore, release_memory
 from .options import ExportOptions
+from .probe_model import Candidate, probe_model
 from .quantize import QuantizedWeight
-from .rewrite import Rewriter, run_rewrite
 from .subgraph import all_graphs
 from .weightfile import WeightFile, map_weights
 from .writer import TensorStore
 
-# Probe weights are named from this prefix.
-PROBE_PREFIX = "cim_int4.probe."
-# FP32 reference outputs of all batches are kept across comparisons up to this size (float32;
-# an LLM's logits are 0.1-0.5 GB a window): in memory up to REFERENCE_RAM_BYTES, else on disk.
-REFERENCE_BYTES = 4 << 30
-REFERENCE_RAM_BYTES = 64 << 20
-# Over this size (float32) they are kept as float16 where that stays finite.
-REFERENCE_COMPACT_BYTES = 512 << 20
 # A streamed export's probe weights past this size are mapped from a temporary file (exporter.weightfile),
 # and a run feeding more than this in dequantized weights first drops the FP32 pages from the process.
 MAP_WEIGHTS_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """An eligible MatMul/Gemm of a probe model: its key, probe weight name, weight [K, N] and bias [N] (or None)."""
-
-    key: str  # subgraph path + label, as in the summary; unique in the model
-    weight_name: str
-    w: np.ndarray
-    bias: np.ndarray | None
-    also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
-    sources: tuple[str, ...] = ()  # the names the weight was read through
-    name: str = ""  # the node's own name (its output's when unnamed), which a ``bits`` mapping also matches
-    codes: Codes | None = None  # the inputs that make the product dequantize in the graph (None: feed W only)
-    product: str = ""  # the product's output (before a bias Add)
-
-
-@dataclass(frozen=True)
-class Codes:
-    """Inputs of a probe product that dequantizes in ORT: ``x @ reshape(q [G, gs, N] * scales [G, 1, N], [K, N])``.
-
-    ``select`` (bool, default False) picks that branch of an If around the product; ``q`` (int8
-    [K, N], default empty) holds the signed codes and ``scales`` (float32 [K / gs, 1, N]) the group
-    scales. Fed a layer's codes (1 byte a weight), a run holds no float32 copy of its weight: ORT makes
-    one for the node and frees it, so a run with every layer quantized holds a quarter of the bytes.
-    The product is the float32 rounding of ``q * scale``, as ``ops.reference.dequantize`` gives.
-    """
-
-    select: str
-    q: str
-    scales: str
-    group_size: int
-
-
-class ProbeRewriter(Rewriter):
-    """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph input per node."""
-
-    quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
-
-    def __init__(self, model: onnx.ModelProto, options: ExportOptions, tensors: _Originals | None = None) -> None:
-        super().__init__(model, options, tensors=tensors)
-        self.candidates: list[Candidate] = []
-        self.probe_weights: list[onnx.ValueInfoProto] = []  # graph inputs, fed the candidates' arrays
-        self.probe_defaults: list[onnx.TensorProto] = []  # the defaults of the inputs of ``Codes``
-
-    def core(
-        self,
-        base: str,
-        key: str,
-        x: str,
-        out: str,
-        plan: Plan,
-        initializers: list[onnx.TensorProto],
-        table: object = None,
-    ) -> tuple[list[onnx.NodeProto], int | None]:
-        index = len(self.candidates)
-        w_name = self.fresh(f"{PROBE_PREFIX}{index}.weight")
-        w = np.ascontiguousarray(plan.w, dtype=np.float32)
-        self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
-        product = out if plan.bias is None else self.fresh(f"{out}/matmul")
-        codes = self._codes(index, w.shape) if self.opset >= 11 else None
-        if codes is None:
-            node = helper.make_node("MatMul", [x, w_name], [product], name=base)
-        else:
-            node = self._select(codes, x, w_name, w.shape, product, base)
-        self.candidates.append(
-            Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base, codes=codes, product=product)
-        )
-        if plan.bias is None:
-            return [node], None
-        b_name = self.fresh(f"{w_name[: -len('weight')]}bias")
-        initializers.append(numpy_helper.from_array(plan.bias, b_name))
-        return [node, helper.make_node("Add", [product, b_name], [out], name=f"{base}/bias")], None
-
-    def _codes(self, index: int, shape: tuple[int, ...]) -> Codes | None:
-        """A candidate's ``Codes`` inputs (main-graph inputs with empty defaults); None when K is not whole groups."""
-        k, n = shape
-        gs = self.options.group_size
-        if k % gs:
-            return None  # the padded codes would need a Slice: such a layer is fed its float32 weight
-        codes = Codes(*(self.fresh(f"{PROBE_PREFIX}{index}.{part}") for part in ("dequantize", "codes", "scales")), gs)
-        T = onnx.TensorProto
-        self.probe_weights += [
-            helper.make_tensor_value_info(codes.select, T.BOOL, []),
-            helper.make_tensor_value_info(codes.q, T.INT8, [None, None]),
-            helper.make_tensor_value_info(codes.scales, T.FLOAT, [None, None, None]),
-        ]
-        self.probe_defaults += [
-            numpy_helper.from_array(np.array(False), codes.select),
-            numpy_helper.from_array(np.zeros((0, 0), np.int8), codes.q),
-            numpy_helper.from_array(np.zeros((0, 0, 0), np.float32), codes.scales),
-        ]
-        return codes
-
-    def _select(
-        self, codes: Codes, x: str, w_name: str, shape: tuple[int, ...], product: str, base: str
-    ) -> onnx.NodeProto:
-        """``If(select)``: then ``x @ dequantized codes``, else ``x @ W``; the dequantized W lives in the node only."""
-        k, n = shape
-        T = onnx.TensorProto
-        grouped, flat, qf, q3, w3, w, y, yw = (
-            self.fresh(f"{product}/{part}") for part in ("grouped", "flat", "qf", "q3", "w3", "w", "y", "yw")
-        )
-        gs = codes.group_size
-        shapes = [numpy_helper.from_array(np.array(dims, np.int64)) for dims in ([k // gs, gs, n], [k, n])]
-        then = helper.make_graph(
-            [
-                helper.make_node("Constant", [], [grouped], value=shapes[0]),
-                helper.make_node("Constant", [], [flat], value=shapes[1]),
-                helper.make_node("Cast", [codes.q], [qf], to=T.FLOAT),
-                helper.make_node("Reshape", [qf, grouped], [q3]),
-                helper.make_node("Mul", [q3, codes.scales], [w3]),
-                helper.make_node("Reshape", [w3, flat], [w]),
-                helper.make_node("MatMul", [x, w], [y]),
-            ],
-            f"{base}/dequantized",
-            [],
-            [helper.make_tensor_value_info(y, T.FLOAT, None)],
-        )
-        fp32 = [helper.make_node("MatMul", [x, w_name], [yw])]
-        other = helper.make_graph(fp32, f"{base}/fp32", [], [helper.make_tensor_value_info(yw, T.FLOAT, None)])
-        return helper.make_node("If", [codes.select], [product], name=base, then_branch=then, else_branch=other)
 
 
 class WeightFeeding:
@@ -191,239 +53,6 @@ class WeightFeeding:
     def get_inputs(self) -> list:
         """The session's inputs."""
         return self.session.get_inputs()
-
-
-class _Originals:
-    """The main-graph initializers of the model being probed, read by name from it (no copy of their bytes).
-
-    With ``store`` (the model's weights left in their files, exporter.writer) they are read from there.
-    """
-
-    def __init__(self, model: onnx.ModelProto, store: TensorStore | None = None) -> None:
-        self.tensors = {t.name: t for t in model.graph.initializer}
-        self.store = store
-
-    def read(self, tensor: onnx.TensorProto) -> np.ndarray:
-        """The values of the original of ``tensor`` (a stub of the same name, or a tensor of a subgraph)."""
-        original = self.tensors.get(tensor.name)
-        source = original if original is not None and not tensor.raw_data else tensor
-        return self.store.read(source) if self.store is not None else numpy_helper.to_array(source)
-
-    def write(self, tensor: onnx.TensorProto) -> None:
-        """Nothing to do: the probe writes no attribute tensors."""
-
-    def fill(self, model: onnx.ModelProto) -> None:
-        """Give the stubs left in ``model`` (initializers the probe still reads: norms, tables) their data.
-
-        From a ``store``, every tensor still in a file (subgraphs' too) is read into the proto.
-        """
-        for t in model.graph.initializer:
-            if t.name in self.tensors and _is_stub(t):
-                t.CopyFrom(self.tensors[t.name])
-        if self.store is not None:
-            self.store.inline(model)
-
-
-def _is_stub(t: onnx.TensorProto) -> bool:
-    return not t.raw_data and t.data_location != onnx.TensorProto.EXTERNAL and not any(
-        (t.float_data, t.int32_data, t.int64_data, t.double_data, t.uint64_data, t.string_data)
-    )
-
-
-def _copy_fields(src: Message, dst: Message, skip: str) -> None:
-    """Copy every set field of ``src`` but ``skip`` into ``dst``."""
-    for desc, value in src.ListFields():
-        if desc.name == skip:
-            continue
-        if desc.is_repeated:
-            getattr(dst, desc.name).extend(value)
-        elif desc.message_type is not None:
-            getattr(dst, desc.name).CopyFrom(value)
-        else:
-            setattr(dst, desc.name, value)
-
-
-def _hollow(model: onnx.ModelProto, store: TensorStore | None = None) -> tuple[onnx.ModelProto, _Originals]:
-    """A copy of ``model`` whose main-graph initializers are stubs (name, type, dims), and the originals' reader.
-
-    The rewrite reads the weights it folds from the originals; run_rewrite's own copy then
-    copies no weight bytes.
-    """
-    originals = _Originals(model, store)
-    hollow = onnx.ModelProto()
-    _copy_fields(model, hollow, skip="graph")
-    _copy_fields(model.graph, hollow.graph, skip="initializer")
-    hollow.graph.initializer.extend(
-        onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims) for t in model.graph.initializer
-    )
-    return hollow, originals
-
-
-def probe_model(
-    model: onnx.ModelProto, options: ExportOptions, tensors: TensorStore | None = None
-) -> tuple[onnx.ModelProto, list[Candidate]]:
-    """A copy of ``model`` in which each eligible node computes ``x @ W (+ bias)`` with W overridable, and the nodes.
-
-    Around each product are the same Casts, Transpose, Unsqueeze and Add the export writes, so
-    feeding a node's dequantized INT4 weight at ``Candidate.weight_name`` gives its INT4 error.
-    The weights are graph inputs without initializers: a session of the probe is fed the
-    candidates' arrays (``WeightFeeding``), and an initializer other nodes still read that equals
-    a candidate's weight (a tied embedding table) is an input fed the same array (``Candidate.also``).
-    With ``tensors`` (``model``'s weights in their files) each weight is read from there once.
-    """
-    hollow, originals = _hollow(model, tensors)
-    out, rewriter = run_rewrite(hollow, options, lambda m: ProbeRewriter(m, options, originals))
-    del hollow
-    assert isinstance(rewriter, ProbeRewriter)
-    out.graph.input.extend(rewriter.probe_weights)
-    candidates = _share_weights(out.graph, rewriter.candidates, originals)
-    out.graph.initializer.extend(rewriter.probe_defaults)  # after _share_weights: none of them is a weight
-    originals.fill(out)
-    return out, candidates
-
-
-def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], originals: _Originals) -> list[Candidate]:
-    """Turn an initializer still read by other nodes that equals a candidate's weight into an input fed with it.
-
-    A tied LM head's weight is also the embedding table (behind a Transpose): without this the
-    session would hold a second FP32 copy of the largest tensor of the model.
-    """
-    by_source = {c.sources[0]: i for i, c in enumerate(candidates) if len(c.sources) == 1}
-    inputs = {i.name for i in graph.input}
-    kept, shared = [], {}
-    for t in graph.initializer:
-        i = by_source.get(t.name) if t.name not in inputs else None
-        c = None if i is None else candidates[i]
-        if c is None or t.data_type != onnx.TensorProto.FLOAT or tuple(t.dims) != c.w.shape:
-            kept.append(t)
-            continue
-        if not np.array_equal(originals.read(t), c.w):
-            kept.append(t)
-            continue
-        shared[t.name] = i
-    if not shared:
-        return candidates
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    graph.input.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(candidates[i].w.shape))
-                       for n, i in shared.items())  # fmt: skip
-    out = list(candidates)
-    for name, i in shared.items():
-        out[i] = replace(out[i], also=(*out[i].also, name))
-    return out
-
-
-# While a calibrated export runs, blocks from this size on are mapped, and unmapped when freed, instead
-# of coming from glibc's heaps: ORT's per-node buffers (the probe session has no arena) and NumPy's
-# temporaries of many sizes interleave there, and freed heap pages stay resident. Measured on a
-# 0.1B LLM (docs/methods.md): a probe run with every layer quantized peaked at 1.29-1.59 GB, with it 1.0 GB.
-HEAP_MMAP_BYTES = 1 << 20
-# Afterwards the threshold is left where glibc's own sliding threshold ends after large frees (its
-# 64-bit maximum): the process keeps the heap's speed for the mid-sized blocks.
-_MMAP_BYTES_AFTER = 32 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-@contextmanager
-def bounded_heap() -> Iterator[None]:
-    """Map blocks of ``HEAP_MMAP_BYTES`` and more while inside (glibc; nothing elsewhere or when the user set it).
-
-    An environment variable (``MALLOC_MMAP_THRESHOLD_``, or the tunable in ``GLIBC_TUNABLES``) wins.
-    """
-    libc = None
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", ""):
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)
-        except (OSError, AttributeError):
-            libc = None
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES_AFTER)
-
-
-def release_memory() -> None:
-    """Free what only reference cycles still hold, then hand freed heap pages back to the OS.
-
-    A rewriter's objects refer to each other (bound methods), so the weights it read stay alive
-    until the cyclic collector runs; glibc keeps freed pages after a big model copy is dropped
-    (``malloc_trim``; a no-op elsewhere).
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _compact(x: np.ndarray) -> np.ndarray:
-    """A float32 output as float16 when that keeps it finite (a cosine near 1 moves by ~1e-7), else as it is."""
-    if x.dtype != np.float32 or x.size == 0 or not np.all(np.abs(x) < 6e4):
-        return x
-    return x.astype(np.float16)
-
-
-def compact_outputs(outputs: list[np.ndarray]) -> list[np.ndarray]:
-    """Model outputs kept for a later comparison, float16 where that stays finite."""
-    return [_compact(o) for o in outputs]
-
-
-class ReferenceStore:
-    """The FP32 outputs of ``batches`` batches, kept for later comparisons.
-
-    Sized from the first batch's outputs: float16 (where that stays finite) when all of them
-    in float32 pass REFERENCE_COMPACT_BYTES; in memory when they fit REFERENCE_RAM_BYTES, else
-    one .npy file per output in a temporary folder (removed with the store), read back a batch
-    at a time, so that an LLM's logits do not sit in memory beside the exported model's session.
-    ``for_outputs`` makes one, or None when they are not worth keeping (REFERENCE_BYTES).
-    """
-
-    def __init__(self, batches: int, first: Sequence[np.ndarray]) -> None:
-        size = sum(o.nbytes for o in first) * batches
-        self.compact = size > REFERENCE_COMPACT_BYTES
-        self._memory: dict[int, list[np.ndarray]] = {}
-        self._files: dict[int, list[Path]] = {}
-        self._folder = None
-        if size > REFERENCE_RAM_BYTES:
-            self._folder = tempfile.TemporaryDirectory(prefix="cim-int4-reference-")
-
-    @classmethod
-    def for_outputs(cls, batches: int, first: Sequence[np.ndarray]) -> ReferenceStore | None:
-        """A store for ``batches`` batches like ``first``; None when too big to keep (run again when needed)."""
-        return cls(batches, first) if sum(o.nbytes for o in first) * batches <= REFERENCE_BYTES else None
-
-    def put(self, index: int, outputs: Sequence[np.ndarray]) -> bool:
-        """Keep batch ``index``'s outputs; False (nothing kept) when the temporary folder cannot take them."""
-        kept = compact_outputs(list(outputs)) if self.compact else list(outputs)
-        if self._folder is None:
-            self._memory[index] = kept
-            return True
-        paths = [Path(self._folder.name) / f"{index}-{j}.npy" for j in range(len(kept))]
-        try:
-            for path, x in zip(paths, kept, strict=True):
-                np.save(path, x, allow_pickle=False)
-        except OSError:
-            for path in paths:
-                path.unlink(missing_ok=True)
-            return False
-        self._files[index] = paths
-        return True
-
-    def get(self, index: int) -> list[np.ndarray] | None:
-        """Batch ``index``'s outputs, or None when they were not kept."""
-        if index in self._memory:
-            return self._memory[index]
-        if index in self._files:
-            return [np.load(path, allow_pickle=False) for path in self._files[index]]
-        return None
-
-    def __len__(self) -> int:
-        return len(self._memory) + len(self._files)
-
-    def __contains__(self, index: int) -> bool:
-        return index in self._memory or index in self._files
 
 
 def _feeds_of(c: Candidate, qw: QuantizedWeight) -> dict[str, np.ndarray]:
@@ -475,6 +104,9 @@ class Probe:
         quiet.log_severity_level = 3
         # No arena: it would keep the largest run's activations (an LLM's attention and logits) for good.
         quiet.enable_cpu_mem_arena = False
+        # Nor one block planned for all of a run's intermediates: measured on a 0.1B LLM, a run's peak
+        # is ~120 MB lower without it, and no slower (a one-layer comparison 3.2-3.9 s either way).
+        quiet.enable_mem_pattern = False
         weights = {name: c.w for c in self.candidates for name in (c.weight_name, *c.also)}
         self.session = WeightFeeding(proto_session(probe, quiet), weights) if self.candidates else None
         del probe

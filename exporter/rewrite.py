@@ -78,7 +78,7 @@ def _patterns(exclude: tuple[str, ...]) -> list[tuple[str, re.Pattern[str]]]:
 class Rewriter:
     """One rewrite of one model: walks every graph, plans each MatMul/Gemm, emits the replacement nodes.
 
-    ``core`` makes the node computing the product; a subclass (exporter.probe) emits another.
+    ``core`` makes the node computing the product; a subclass (exporter.probe_model) emits another.
     """
 
     # Gathers on constant tables become CimInt4Gather (and tied heads share them); not in a probe.

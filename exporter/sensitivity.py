@@ -42,9 +42,10 @@ from ..ops.ort_model import proto_session
 from ..ops.session import session_options
 from .allocate import allocate
 from .calibration import feed_batches
+from .memory import release_memory
 from .methods import calibrate
 from .options import DEFAULT_TARGET_COSINE, ExportOptions, Feeds
-from .probe import Probe, release_memory
+from .probe import Probe
 from .quantize import QuantizedWeight
 from .rewrite import rewrite_model
 from .scale_rules import AUTO_CHOICES

@@ -195,7 +195,7 @@ def test_gathers_on_activations_or_shapes_are_not_reported() -> None:
 
 
 def test_a_probe_model_leaves_gathers_alone() -> None:
-    from cim_int4.exporter.probe import probe_model
+    from cim_int4.exporter.probe_model import probe_model
 
     probe, candidates = probe_model(lm("transpose"), ExportOptions())
     assert [n.op_type for n in probe.graph.node].count("Gather") == 1

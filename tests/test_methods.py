@@ -398,13 +398,13 @@ def test_references_spilled_to_disk_give_the_same_check_and_leave_no_files(
     import tempfile
 
     from cim_int4.exporter import load_model
-    from cim_int4.exporter import probe as probe_module
+    from cim_int4.exporter import memory as memory_module
 
     model = load_model(TIED)
     feeds = [_tied_feeds(model, s) for s in range(3)]
     kept = {}
-    for ram in (probe_module.REFERENCE_RAM_BYTES, 0):  # in memory, then every reference on disk
-        monkeypatch.setattr(probe_module, "REFERENCE_RAM_BYTES", ram)
+    for ram in (memory_module.REFERENCE_RAM_BYTES, 0):  # in memory, then every reference on disk
+        monkeypatch.setattr(memory_module, "REFERENCE_RAM_BYTES", ram)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
         for target in (0.0, 0.999):  # the check's own store (target 0), the probe's kept outputs (target > 0)
             _, summary = export_with_summary(model, method="gptq", feeds=feeds, target_cosine=target)
@@ -412,14 +412,14 @@ def test_references_spilled_to_disk_give_the_same_check_and_leave_no_files(
             kept[ram, target] = (report.cosine_exported, report.cosine_probe, report.runs)
         assert not list(tmp_path.glob("cim-int4-reference-*")), "the temporary references must be removed"
     for target in (0.0, 0.999):
-        assert kept[0, target] == kept[probe_module.REFERENCE_RAM_BYTES, target]
+        assert kept[0, target] == kept[memory_module.REFERENCE_RAM_BYTES, target]
 
 
 def test_reference_store_round_trip_and_a_full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cim_int4.exporter import probe as probe_module
-    from cim_int4.exporter.probe import ReferenceStore
+    from cim_int4.exporter import memory as memory_module
+    from cim_int4.exporter.memory import ReferenceStore
 
-    monkeypatch.setattr(probe_module, "REFERENCE_RAM_BYTES", 0)
+    monkeypatch.setattr(memory_module, "REFERENCE_RAM_BYTES", 0)
     outs = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.float32)]
     store = ReferenceStore(2, outs)
     assert store.put(0, outs) and len(store) == 1 and store.get(1) is None

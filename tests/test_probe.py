@@ -51,7 +51,7 @@ def test_a_layer_of_partial_groups_is_fed_its_float32_weight() -> None:
 def test_bounded_heap_maps_large_blocks_inside_and_leaves_a_set_threshold_alone(monkeypatch) -> None:
     import ctypes
 
-    from cim_int4.exporter import probe as probe_module
+    from cim_int4.exporter import memory
 
     calls = []
 
@@ -63,11 +63,11 @@ def test_bounded_heap_maps_large_blocks_inside_and_leaves_a_set_threshold_alone(
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    with probe_module.bounded_heap():
-        assert calls == [(-3, probe_module.HEAP_MMAP_BYTES)]
+    with memory.bounded_heap():
+        assert calls == [(-3, memory.HEAP_MMAP_BYTES)]
     assert calls[-1] == (-3, 32 << 20) and len(calls) == 2
     calls.clear()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's choice wins
-    with probe_module.bounded_heap():
+    with memory.bounded_heap():
         pass
     assert calls == []
