@@ -27,7 +27,7 @@ REFERENCE_COMPACT_BYTES = 512 << 20
 # While a calibrated export runs, blocks from this size on are mapped, and unmapped when freed, instead
 # of coming from glibc's heaps: ORT's per-node buffers (the probe session has no arena) and NumPy's
 # temporaries of many sizes interleave there, and freed heap pages stay resident. Measured on a
-# 0.1B LLM (docs/methods.md): a probe run with every layer quantized peaked at 1.29-1.59 GB, with it 1.0 GB.
+# 0.1B LLM (docs/widths.md): a probe run with every layer quantized peaked at 1.29-1.59 GB, with it 1.0 GB.
 HEAP_MMAP_BYTES = 1 << 20
 # Afterwards the threshold is left where glibc's own sliding threshold ends after large frees (its
 # 64-bit maximum): the process keeps the heap's speed for the mid-sized blocks.

@@ -21,7 +21,6 @@ import onnxruntime as ort
 from ..contract import unpack
 from ..metrics import row_cosines
 from ..ops.ort_model import proto_session
-from ..ops.reference import dequantize
 from .calibration import Calibration, Feeds, Part, batch_rows, collect, expose, rows_of
 from .memory import ReferenceStore, release_memory
 from .options import ExportOptions
@@ -55,17 +54,26 @@ class WeightFeeding:
         return self.session.get_inputs()
 
 
-def _feeds_of(c: Candidate, qw: QuantizedWeight) -> dict[str, np.ndarray]:
-    """What a run feeds to give candidate ``c`` the weight ``qw``: its codes (``Codes``), else its float32 weight."""
+def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True) -> dict[str, np.ndarray]:
+    """What a run feeds to give candidate ``c`` the weight ``qw``: its codes (``Codes``) if asked and possible,
+    else its float32 weight."""
     k, n = c.w.shape
-    if c.codes is None or qw.group_size != c.codes.group_size or (qw.k, qw.n) != (k, n):
-        return {c.weight_name: dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits).astype(np.float32)}
+    if not codes or c.codes is None or qw.group_size != c.codes.group_size or (qw.k, qw.n) != (k, n):
+        return {c.weight_name: weight32(qw)}
     groups = k // qw.group_size
     return {
         c.codes.select: np.array(True),
         c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits)[:, :k].T),  # [K, N] int8
         c.codes.scales: np.ascontiguousarray(qw.scales[:, :groups].astype(np.float32).T[:, None, :]),  # [G, 1, N]
     }
+
+
+def weight32(qw: QuantizedWeight) -> np.ndarray:
+    """``ops.reference.dequantize(...)`` rounded to float32, computed in float32 (the same bits: a code times a
+    scale is exact in float64, so its one rounding is float32's multiply), without float64 temporaries."""
+    w = unpack(qw.packed, qw.bits).astype(np.float32)  # [N, K_padded]
+    w *= np.repeat(qw.scales.astype(np.float32), qw.group_size, axis=1)
+    return np.ascontiguousarray(w[:, : qw.k].T)
 
 
 class Probe:
@@ -90,8 +98,9 @@ class Probe:
         # The tensor each candidate's product reads (after the export's Cast/Transpose, as the op will);
         # only those of the main graph can be graph outputs, so only their statistics are gathered.
         self.inputs = {c.key: readers[c.weight_name] for c in self.candidates}
-        made = {o for n in probe.graph.node for o in n.output}  # a product made in the main graph (maybe by an If)
-        self.measured = {c.key for c in self.candidates if c.product in made}
+        # A product of the main graph: its If reads the select input there, or its MatMul the weight (unique names).
+        read = {i for n in probe.graph.node for i in n.input}
+        self.measured = {c.key for c in self.candidates if (c.codes.select if c.codes else c.weight_name) in read}
         if calibrate:
             expose(probe, dict.fromkeys(self.inputs[k] for k in self.measured))
         self._weight_file: WeightFile | None = None
@@ -137,9 +146,10 @@ class Probe:
         ``scored``: the indices of the outputs compared (default: every output).
         """
         int4 = {}
+        codes = len(layers) > 1  # one layer: its float32 weight (ORT's in-graph dequantization holds two copies)
         for i in layers:
-            int4.update(_feeds_of(self.candidates[i], weights[self.candidates[i].key]))
-        if self._weight_file is not None and sum(w.nbytes for w in int4.values()) > MAP_WEIGHTS_BYTES:
+            int4.update(_feeds_of(self.candidates[i], weights[self.candidates[i].key], codes))
+        if self._weight_file is not None and sum(self.candidates[i].w.nbytes for i in layers) > MAP_WEIGHTS_BYTES:
             self._weight_file.evict()  # the run reads back only the FP32 weights it is fed
             release_memory()  # and finds no heap the earlier runs left free but resident
         found = []

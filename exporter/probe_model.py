@@ -35,7 +35,6 @@ class Candidate:
     sources: tuple[str, ...] = ()  # the names the weight was read through
     name: str = ""  # the node's own name (its output's when unnamed), which a ``bits`` mapping also matches
     codes: Codes | None = None  # the inputs that make the product dequantize in the graph (None: feed W only)
-    product: str = ""  # the product's output (before a bias Add)
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,9 @@ class Codes:
 
     ``select`` (bool, default False) picks that branch of an If around the product; ``q`` (int8
     [K, N], default empty) holds the signed codes and ``scales`` (float32 [K / gs, 1, N]) the group
-    scales. Fed a layer's codes (1 byte a weight), a run holds no float32 copy of its weight: ORT makes
-    one for the node and frees it, so a run with every layer quantized holds a quarter of the bytes.
+    scales. Fed codes (1 byte a weight), a run holds no float32 weight between nodes: ORT makes one
+    for the node (the Cast's and the Mul's output: two copies) and frees it, so a run with many layers
+    quantized holds a quarter of the bytes (``Probe.cosines`` feeds a single layer its float32 weight).
     The product is the float32 rounding of ``q * scale``, as ``ops.reference.dequantize`` gives.
     """
 
@@ -81,13 +81,14 @@ class ProbeRewriter(Rewriter):
         w = np.ascontiguousarray(plan.w, dtype=np.float32)
         self.probe_weights.append(helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, list(w.shape)))
         product = out if plan.bias is None else self.fresh(f"{out}/matmul")
-        codes = self._codes(index, w.shape) if self.opset >= 11 else None
+        # Overridable defaults (an initializer that is also an input) need IR 4; the If's outer scope, opset 11.
+        codes = self._codes(index, w.shape) if self.opset >= 11 and self.model.ir_version >= 4 else None
         if codes is None:
             node = helper.make_node("MatMul", [x, w_name], [product], name=base)
         else:
             node = self._select(codes, x, w_name, w.shape, product, base)
         self.candidates.append(
-            Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base, codes=codes, product=product)
+            Candidate(key, w_name, w, plan.bias, sources=tuple(plan.sources), name=base, codes=codes)
         )
         if plan.bias is None:
             return [node], None

@@ -9,8 +9,9 @@ import numpy as np
 import onnx
 import pytest
 from cim_int4.exporter import ExportOptions, quantize_weight
-from cim_int4.exporter.probe import Probe
+from cim_int4.exporter.probe import Probe, weight32
 from cim_int4.graphs import random_input, single_matmul
+from cim_int4.ops.reference import dequantize
 
 MODELS = Path(__file__).parent / "models"
 
@@ -29,13 +30,43 @@ def test_codes_in_the_graph_give_the_cosines_of_the_dequantized_weights(llama, b
     candidates = probe.candidates
     assert candidates and all(c.codes is not None for c in candidates)  # every K of the model is whole groups
     weights = {c.key: quantize_weight(c.w, 32, "signed", bits, dtype) for c in candidates}
-    every, one = range(len(candidates)), [len(candidates) // 2]
-    in_graph = [probe.cosines(every, weights), probe.cosines(one, weights)]
+    every, two = range(len(candidates)), [len(candidates) // 2, len(candidates) // 2 + 1]
+    in_graph = [probe.cosines(every, weights), probe.cosines(two, weights)]
     probe.candidates = [replace(c, codes=None) for c in candidates]  # the If's other branch, fed float32
-    fed = [probe.cosines(every, weights), probe.cosines(one, weights)]
+    fed = [probe.cosines(every, weights), probe.cosines(two, weights)]
     for a, b in zip(in_graph, fed, strict=True):
         assert np.array_equal(a, b)  # the same float32 weights, bit for bit
     assert in_graph[0].min() < in_graph[1].min() < 1.0  # and the weights were quantized
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize(("k", "dtype"), [(64, "float32"), (40, "float16"), (100, "float32")])
+def test_float32_weights_are_the_references_dequantization_rounded(bits: int, k: int, dtype: str) -> None:
+    w = np.random.default_rng(bits * k).standard_normal((k, 24)).astype(np.float32)
+    qw = quantize_weight(w, 32, "signed", bits, dtype)  # K = 40 and 100: a partial last group
+    assert np.array_equal(weight32(qw), dequantize(qw.packed, qw.scales, qw.k, 32, bits).astype(np.float32))
+
+
+def test_a_model_below_ir_4_has_no_overridable_codes_and_still_runs() -> None:
+    model = single_matmul(64, 16)
+    model.ir_version = 3  # an initializer that is also an input is a constant there
+    probe = Probe(model, ExportOptions(), [random_input(model, seed=1)], calibrate=True)
+    (c,) = probe.candidates
+    assert c.codes is None and probe.measured == {c.key}
+    assert 0.99 < probe.cosines([0], {c.key: quantize_weight(c.w, 32, "signed")}).min() < 1.0
+
+
+def test_a_subgraph_output_named_like_a_main_graph_tensor_is_not_measured() -> None:
+    from cim_int4.exporter.subgraph import all_graphs
+    from test_rewrite_nodes import K, M, subgraph_model, x
+
+    model = subgraph_model()
+    body = next(g for g in all_graphs(model.graph) if g.name == "body")
+    body.node[1].output[0] = body.output[1].name = "z"  # "z" is also the main graph's Scan output
+    feeds = {"x": x(), "cond": np.array(False), "xs": x(4, 2, M, K)}
+    probe = Probe(model, ExportOptions(), [feeds], calibrate=True)
+    assert len(probe.candidates) == 3 and not probe.measured  # every product sits in a subgraph
+    probe.calibrate([])  # exposes no subgraph tensor as a graph output
 
 
 def test_a_layer_of_partial_groups_is_fed_its_float32_weight() -> None:
