@@ -3,8 +3,9 @@
     python tools/measure_methods.py FP32_FOLDER OUT_DIR --calib calib.txt [--windows 8] [--group 32]
         [--variants rtn:signed rtn:mse gptq:mse awq:mse auto:auto] [--ort-gptq]
 
-Calibration: the first ``--windows`` non-overlapping 512-token windows of ``--calib`` (tokenized
-by the folder's own tokenizer, a BOS first when it adds one), fed with empty past key/values.
+Calibration: the first ``--windows`` non-overlapping ``--window``-token windows (512) of ``--calib``
+(tokenized by the folder's own tokenizer, a BOS first when it adds one or ``--bos`` names it), fed
+with empty past key/values.
 Each variant is exported (all layers INT4, ``target_cosine=0``) in a child process that reports
 its wall time and peak RSS, into ``OUT_DIR/<method>-<rule>-g<G>/`` with the folder's genai
 config and tokenizer, so that ``cim-int4 perplexity FP32_FOLDER OUT_DIR/...`` can score it.
@@ -79,7 +80,7 @@ def _child(args: argparse.Namespace) -> None:
     import resource
 
     folder = Path(args.folder)
-    feeds = calibration_windows(folder, Path(args.calib), args.windows)
+    feeds = calibration_windows(folder, Path(args.calib), args.windows, args.window, args.bos)
     out = Path(args.out)
     method, rule = args.variant.split(":")
     start = time.perf_counter()
@@ -138,6 +139,8 @@ def main() -> None:
     p.add_argument("--calib", required=True)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--window", type=int, default=512, help="tokens per calibration window (Gemma 3: 256)")
+    p.add_argument("--bos", type=int, default=None, help="a token every window starts with (Gemma 3: 2)")
     p.add_argument("--variants", nargs="*", default=["rtn:signed", "rtn:mse", "gptq:mse", "awq:mse", "auto:auto"])
     p.add_argument("--ort-gptq", action="store_true", help="also run ORT's GPTQ (slow)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -160,7 +163,8 @@ def main() -> None:
             if (Path(args.folder) / side).exists():
                 shutil.copy(Path(args.folder) / side, out / side)
         cmd = [sys.executable, __file__, args.folder, str(out_dir), "--calib", args.calib, "--windows",
-               str(args.windows), "--group", str(args.group), "--child", f"{variant}@{out}"]  # fmt: skip
+               str(args.windows), "--group", str(args.group), "--window", str(args.window),
+               *(["--bos", str(args.bos)] if args.bos is not None else []), "--child", f"{variant}@{out}"]  # fmt: skip
         run = subprocess.run(cmd, capture_output=True, text=True)
         (out / "export.log").write_text(run.stdout + run.stderr)
         if run.returncode:
