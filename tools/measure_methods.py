@@ -101,6 +101,7 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _ort_gptq(folder: Path, feeds: list[dict[str, np.ndarray]], out: Path, group: int) -> None:
+    from onnx.external_data_helper import load_external_data_for_model
     from onnxruntime.quantization import CalibrationDataReader
     from onnxruntime.quantization.matmul_nbits_quantizer import GPTQWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -125,6 +126,9 @@ def _ort_gptq(folder: Path, feeds: list[dict[str, np.ndarray]], out: Path, group
             str(folder / "model.onnx"), block_size=group, is_symmetric=True, algo_config=config
         )
         quant.process()
+        # The tensors it never loaded (the embedding, norms) still point into the input's data file: read them
+        # in, or the saved model would point into its own data file at the input's offsets.
+        load_external_data_for_model(quant.model.model, str(folder))
         out.mkdir(parents=True, exist_ok=True)
         os.chdir(out)  # onnx checks for an existing "model.onnx.data" in the working directory: not the input's
         quant.model.save_model_to_file(str(out / "model.onnx"), use_external_data_format=True)
@@ -170,7 +174,8 @@ def main() -> None:
         if run.returncode:
             print(f"{name}: failed ({run.stderr.strip().splitlines()[-1:]})", flush=True)
             continue
-        result = json.loads(run.stdout.strip().splitlines()[-1])
+        last = run.stdout.strip().splitlines()[-1]
+        result = json.loads(last[last.index("{") :])  # ORT's GPTQ ends its progress bar without a newline
         print(f"{name}: {result['seconds']:.0f} s, peak RSS {result['peak_rss'] / 2**20:.0f} MiB", flush=True)
         times = out_dir / "times.json"
         rows = json.loads(times.read_text()) if times.exists() else []
