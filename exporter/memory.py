@@ -43,11 +43,9 @@ def bounded_heap() -> Iterator[None]:
     """
     libc = None
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", ""):
-        try:
-            libc = ctypes.CDLL("libc.so.6")
+        libc = _glibc("mallopt")
+        if libc is not None:
             libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)
-        except (OSError, AttributeError):
-            libc = None
     try:
         yield
     finally:
@@ -63,10 +61,19 @@ def release_memory() -> None:
     (``malloc_trim``; a no-op elsewhere).
     """
     gc.collect()
+    libc = _glibc("malloc_trim")
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc(function: str) -> ctypes.CDLL | None:
+    """glibc, when this process has it and it has ``function``; None elsewhere (musl, macOS, Windows)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        getattr(libc, function)
     except (OSError, AttributeError):
-        pass
+        return None
+    return libc
 
 
 def _compact(x: np.ndarray) -> np.ndarray:

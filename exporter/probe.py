@@ -31,7 +31,7 @@ from .weightfile import WeightFile, map_weights
 from .writer import TensorStore
 
 # A streamed export's probe weights past this size are mapped from a temporary file (exporter.weightfile),
-# and a run feeding more than this in dequantized weights first drops the FP32 pages from the process.
+# and a run that quantizes more than this of them first drops the FP32 pages from the process.
 MAP_WEIGHTS_BYTES = 64 << 20
 
 
@@ -60,11 +60,10 @@ def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True) -> dict[str
     k, n = c.w.shape
     if not codes or c.codes is None or qw.group_size != c.codes.group_size or (qw.k, qw.n) != (k, n):
         return {c.weight_name: weight32(qw)}
-    groups = k // qw.group_size
-    return {
+    return {  # K is whole groups here (``Codes``): no padding to cut
         c.codes.select: np.array(True),
-        c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits)[:, :k].T),  # [K, N] int8
-        c.codes.scales: np.ascontiguousarray(qw.scales[:, :groups].astype(np.float32).T[:, None, :]),  # [G, 1, N]
+        c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits).T),  # [K, N] int8
+        c.codes.scales: np.ascontiguousarray(qw.scales.astype(np.float32).T[:, None, :]),  # [G, 1, N]
     }
 
 
