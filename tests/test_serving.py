@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -348,3 +349,19 @@ def test_serve_command_starts_ray_and_stops_cleanly_on_ctrl_c(model, tmp_path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stop_bounds_a_serve_shutdown_that_hangs(monkeypatch, capsys) -> None:
+    # Serve's graceful stop once took over a minute on a loaded machine: stop() waits a bounded time, then stops Ray.
+    import ray
+    from ray import serve
+
+    released, stopped = threading.Event(), []
+    monkeypatch.setattr(serve, "shutdown", lambda: released.wait(30))
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    start = time.monotonic()
+    stop(serve_timeout_s=0.2)
+    released.set()
+    assert time.monotonic() - start < 5
+    assert stopped == [True]
+    assert "Serve did not stop within 0.2 s; stopping Ray" in capsys.readouterr().err
