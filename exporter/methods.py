@@ -12,7 +12,10 @@
 Scale rule ``auto`` means every rule of ``AUTO_CHOICES`` under each method. When more than
 one (method, rule) pair is in play, each quantizes every layer and the model runs once over
 the calibration batches per pair; the pair with the best mean output cosine over the
-calibration rows wins (``RuleChoice``). Costs, in ORT runs of the model over the B batches:
+calibration rows wins (``RuleChoice``) if it cuts the default pair's damage (``1 - cosine``)
+by ``summary.CHOICE_MARGIN`` (5%) or more; else the default pair stays: the method asked for
+(``rtn`` for ``auto``) under the rule asked for (for ``auto`` the one an export without feeds
+uses). Costs, in ORT runs of the model over the B batches:
 B for the FP32 reference (plus B for the calibration pass when a method needs it: the
 statistics are gathered in the reference run's session, a second pass since the reference
 outputs are kept apart), then B per pair compared. AWQ needs a second session of the
@@ -34,7 +37,7 @@ from .options import CALIBRATED, ExportOptions
 from .probe import Probe
 from .quantize import QuantizedWeight, quantize_weight
 from .rewrite import node_label
-from .scale_rules import AUTO_CHOICES
+from .scale_rules import AUTO_CHOICES, auto_rule
 from .summary import RuleChoice
 from .widths import width_of
 from .writer import TensorStore
@@ -225,7 +228,11 @@ def calibrate(
             if not held:
                 rows_of_pair[(m, r)] = rows
             del where, weights
-        result.choice = RuleChoice(cosine)
+        # The default pair: the method asked for (rtn for "auto") under the rule asked for ("auto": the one an
+        # export without feeds uses).
+        default_rule = auto_rule(options.group_size) if options.scale_rule == "auto" else options.scale_rule
+        default = _label("rtn" if options.method == "auto" else options.method, default_rule, methods)
+        result.choice = RuleChoice(cosine, default)
         method, rule = next((m, r) for m, r in pairs if _label(m, r, methods) == result.choice.chosen)
         result.all_int4 = rows_of_pair.get((method, rule))
     else:

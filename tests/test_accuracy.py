@@ -34,9 +34,11 @@ def test_old_rule_loses_on_non_negative_inputs() -> None:
     assert row.rel_l2["amax8"] > 1.5 * row.rel_l2["MatMulNBits"], row  # measured 0.163 vs 0.075
 
 
-@pytest.mark.parametrize("name", ["llama", "hf-gpt2", "hf-vit"])
+@pytest.mark.parametrize("name", list(SMALL_CASES))
 def test_method_auto_with_feeds_is_at_least_the_default_rule(name: str) -> None:
-    # Measured: llama 0.96559 vs 0.96285 (AWQ), gpt2 equal (rtn/mse), vit 0.99962 vs 0.99860 (GPTQ).
+    # Measured (16 batches, Zen 3): above on the small llama (AWQ, +0.0046), bert and vit (GPTQ, +0.00002 and
+    # +0.001); the default pair kept elsewhere (a pair that cut its damage by less than 5% on held-out rows of
+    # the calibration batch lost on qwen2 and t5, by 0.0001 and 0.00004, before that margin).
     row = measure(SMALL_CASES[name], rules=(DEFAULT_SCALE_RULE, METHOD_AUTO), batches=BATCHES)
     assert row.method_chose is not None and "/" in row.method_chose, row
-    assert row.cosine[METHOD_AUTO] >= row.cosine[DEFAULT_SCALE_RULE] - 1e-4, row
+    assert row.cosine[METHOD_AUTO] >= row.cosine[DEFAULT_SCALE_RULE] - 2e-6, row

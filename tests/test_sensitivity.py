@@ -12,6 +12,7 @@ import pytest
 from cim_int4.exporter import ExportError, export_with_summary
 from cim_int4.exporter.scale_rules import AUTO_CHOICES
 from cim_int4.exporter.sensitivity import RuleChoice, calibration_feeds, choose_rule
+from cim_int4.exporter.summary import CHOICE_MARGIN
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from onnx import numpy_helper
 
@@ -95,6 +96,18 @@ def test_auto_rule_keeps_the_better_rule_and_balanced_on_a_tie() -> None:
     assert choose_rule({"balanced": 0.98, "signed": 0.97, "mse": 0.99}).chosen == "mse"
     assert choose_rule({"balanced": 0.99, "signed": 0.98, "mse": 0.98}).chosen == "balanced"
     assert RuleChoice({"balanced": 0.5, "signed": 0.5, "mse": 0.5}).chosen == "balanced"
+
+
+def test_a_choice_other_than_the_default_must_cut_its_damage_by_the_margin() -> None:
+    assert CHOICE_MARGIN == 0.05
+    near = {"rtn/balanced": 0.98, "rtn/mse": 0.9809, "gptq/mse": 0.97}  # mse: 4.5% less damage
+    assert RuleChoice(near, default="rtn/balanced").chosen == "rtn/balanced"
+    assert RuleChoice(near, default="rtn/balanced").best == "rtn/mse"
+    assert RuleChoice(near).chosen == "rtn/mse"  # no default: the best
+    far = {**near, "rtn/mse": 0.9811}  # 5.5% less
+    assert RuleChoice(far, default="rtn/balanced").chosen == "rtn/mse"
+    worse = {"rtn/balanced": 0.99, "rtn/mse": 0.98}
+    assert RuleChoice(worse, default="rtn/mse").chosen == "rtn/balanced"  # a default that loses is not kept
 
 
 def test_auto_rule_with_feeds_exports_the_rule_it_measured_best(llama: onnx.ModelProto, calibration) -> None:
