@@ -63,7 +63,8 @@ from .options import BITS_SENSITIVITIES, ExportOptions, Feeds
 from .probe import Probe
 from .probe_model import Candidate
 from .quantize import QuantizedWeight
-from .scale_rules import AUTO_CHOICES
+from .scale_rules import AUTO_CHOICES, auto_rule
+from .summary import RuleChoice
 from .widths import FP32_BITS, bits_per_weight
 from .writer import TensorStore
 
@@ -339,7 +340,7 @@ def allocate(
             weights = {c.key: quantized(i, DEFAULT_BITS, r) for i, c in enumerate(candidates)}
             tried[r] = mean_damage(weights, range(len(candidates)))[0]
             del weights
-        rule = min(tried, key=lambda r: tried[r])
+        rule = RuleChoice({r: 1.0 - d for r, d in tried.items()}, auto_rule(options.group_size)).chosen
     report.scale_rule = rule
 
     layers = range(len(candidates))

@@ -17,8 +17,9 @@ the dequantized INT4 weight of a layer there gives that layer's exact INT4 weigh
 Before step 2, ``exporter.methods.calibrate`` quantizes every layer: with scale rule or
 method ``auto`` it runs the model with every layer INT4 under each (method, rule) pair and
 keeps the pair with the better *mean* cosine over the calibration rows (the worst row of a
-small batch is too noisy to choose by); GPTQ and AWQ first gather each layer's input
-statistics (``exporter.calibration``). ``target_cosine=0`` keeps no layer FP32 and makes no
+small batch is too noisy to choose by) if it cuts the default pair's damage by 5%
+(``summary.CHOICE_MARGIN``); GPTQ and AWQ first gather each layer's input statistics
+(``exporter.calibration``). ``target_cosine=0`` keeps no layer FP32 and makes no
 probe run with INT4 weights: the exported model's check (below) is the every-layer-INT4 cosine.
 
 The calibration inputs are one batch (a dict, an ``.npz``) or several (an iterable of dicts):
