@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 # "auto" without feeds is "balanced" at group 32; balanced@W: the balanced rule with weight W on the running sum.
-RULES = ("signed", "mse", "balanced", "balanced@0.03", "balanced@0.003", "amax8", "autofeeds")
+RULES = ("signed", "mse", "balanced", "balanced@0.03", "balanced@0.003", "amax8", "autofeeds", "methodauto")
 GROUPS = (32, 128)
 COMPUTES = ("fp32", "int8")
 GROUP = 3  # models per perplexity call besides the reference
@@ -49,6 +49,7 @@ BOS = {"gemma3": 2}
 # "auto" with feeds: windows of the calibration text. The probe keeps the FP32 logits of every
 # window (tokens x vocabulary floats): Gemma's 262k vocabulary gets shorter windows.
 AUTO_FEEDS = "autofeeds"
+METHOD_AUTO = "methodauto"  # method="auto" (rtn, gptq, awq, awq+gptq under every rule) on the same feeds
 FEED_WINDOWS = 4
 FEED_WINDOW = {"smollm2": 512, "gemma3": 256}
 BOOTSTRAP_DRAWS = 4000
@@ -76,7 +77,8 @@ def make_exports(
     """export_int4 of the builder's FP32 decoder with each rule and group size, as genai folders under OUT.
 
     The rule AUTO_FEEDS is ``scale_rule="auto"`` with feeds: the first ``feed_windows`` windows of
-    ROOT/text/calib.txt (never the evaluation text), every layer INT4 (``target_cosine=0``).
+    ROOT/text/calib.txt (never the evaluation text), every layer INT4 (``target_cosine=0``);
+    METHOD_AUTO is ``method="auto"`` and ``scale_rule="auto"`` on the same feeds.
     ``balanced@W`` is ``balanced`` with ``scale_rules.BALANCE`` set to W for that export (how the
     weight was chosen; not an export option).
     """
@@ -98,19 +100,21 @@ def make_exports(
             copy_folder(src, tmp, model_files(decoder) | {src / "genai_config.json"})
             t0 = time.perf_counter()
             info: dict = {"rule": rule, "group": group}
-            if rule == AUTO_FEEDS:
+            if rule in (AUTO_FEEDS, METHOD_AUTO):
                 sys.path.insert(0, str(Path(__file__).parent))
                 from measure_methods import calibration_windows
 
                 calib = root / "text" / "calib.txt"
                 feeds = calibration_windows(src, calib, feed_windows, FEED_WINDOW[name], BOS.get(name))
+                method = "auto" if rule == METHOD_AUTO else "rtn"
                 quantized, summary = export_with_summary(
-                    load_model(decoder), group_size=group, scale_rule="auto", feeds=feeds, target_cosine=0.0
-                )
+                    load_model(decoder), group_size=group, scale_rule="auto", method=method, feeds=feeds,
+                    target_cosine=0.0,
+                )  # fmt: skip
                 save_model(quantized, tmp / decoder.name, external_data=True, consume=True)
                 choice = summary.mixed_precision.rule_choice
                 info |= {"windows": len(feeds), "window": FEED_WINDOW[name], "chosen": choice.chosen,
-                         "cosine": choice.cosine}  # fmt: skip
+                         "cosine": choice.cosine, "summary": summary.format()}  # fmt: skip
                 del quantized, feeds
             else:
                 base, _, weight = rule.partition("@")
