@@ -237,6 +237,7 @@ def calibrate(
         result.all_int4 = rows_of_pair.get((method, rule))
     else:
         method, rule = pairs[0]
+    result.awq_inputs = 0  # the comparison's AWQ pairs set it; only the chosen pair's counts
     result.probe, result.quantized = build(method, rule, full, final=True)
     result.model = result.probe.model or model
     if needs_stats:  # the statistics have served: free them before the runs that follow

@@ -237,6 +237,26 @@ def test_methods_keep_mixed_precision_and_every_rule_working() -> None:
         assert report.calibration_runs == 2
 
 
+def test_method_auto_keeps_the_default_export_when_no_pair_wins_by_the_margin() -> None:
+    # qwen2's calibration batch: rtn/mse cuts the default's held-out damage by 2.7% (< 5%), AWQ pairs lose.
+    models = Path(__file__).parent / "models"
+    model = onnx.load(models / "qwen2.onnx")
+    with np.load(models / "qwen2.npz") as data:
+        feeds = {k: data[k] for k in data.files}
+    auto, summary = export_with_summary(model, method="auto", feeds=feeds, target_cosine=0.0)
+    default, _ = export_with_summary(model)
+    choice = summary.mixed_precision.rule_choice
+    assert (choice.default, choice.chosen, choice.best) == ("rtn/balanced", "rtn/balanced", "rtn/mse"), choice
+    assert summary.mixed_precision.awq_inputs == 0 and "AWQ" not in summary.format()
+    assert "the default kept: rtn/mse cut its damage by less than 5%" in summary.format()
+
+    def tensors(m: onnx.ModelProto) -> list[bytes]:
+        found = [a.t for n in m.graph.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+        return [numpy_helper.to_array(t).tobytes() for t in found]
+
+    assert tensors(auto) == tensors(default) and len(tensors(auto)) > 10  # the same codes and scales
+
+
 def test_calibrated_method_without_feeds_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     model = single_matmul(64, 16)
     for method in ("gptq", "awq"):
