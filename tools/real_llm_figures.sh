@@ -6,7 +6,7 @@
 # Run it on a quiet machine: the perplexity steps take about 10 minutes per model there (each
 # model is run on every window, Gemma's FP32 logits are 0.5 GB a window) and the decode step
 # times every variant interleaved. Peak memory: ~5 GB (Gemma, three models per call) and ~6 GB
-# while `auto` with feeds exports SmolLM2. Results: OUT/NAME/ppl/*.json, OUT/NAME/decode/*.json,
+# while `auto` with feeds exports SmolLM2, ~10 GB while `methodauto` exports Gemma (21 min on Zen 3). Results: OUT/NAME/ppl/*.json, OUT/NAME/decode/*.json,
 # and the markdown tables on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,10 +14,10 @@ root=${1:-/work/real}
 out=${2:-$root/figures}
 py=.venv/bin/python
 labels=nbits-acc4-g32,nbits-acc0-g32,signed-g32-fp32,mse-g32-fp32,balanced-g32-fp32,balanced@0.03-g32-fp32
-labels=$labels,balanced@0.003-g32-fp32,autofeeds-g32-fp32
+labels=$labels,balanced@0.003-g32-fp32,autofeeds-g32-fp32,methodauto-g32-fp32
 for name in smollm2 gemma3; do
     $py tools/real_llm.py exports "$name" --root "$root" --out "$out" --groups 32 \
-        --rules signed mse balanced balanced@0.03 balanced@0.003 autofeeds
+        --rules signed mse balanced balanced@0.03 balanced@0.003 autofeeds methodauto
     # The FP32 model runs once per call: three int4 models per call bound Gemma's memory.
     $py tools/real_llm.py measure "$name" --root "$root" --out "$out" --max-tokens 8192 --threads 2 \
         --group 3 --only "$labels"
