@@ -47,8 +47,9 @@ class RuleChoice:
         best, default = self.best, self.default
         if default is None or default not in self.cosine or best == default:
             return best
-        damage = 1.0 - self.cosine[best]
-        return best if damage <= (1.0 - CHOICE_MARGIN) * (1.0 - self.cosine[default]) else default
+        # Damages below 0 are float noise of a perfect cosine; a default with none cannot be beaten.
+        damage, damage_default = (max(0.0, 1.0 - self.cosine[c]) for c in (best, default))
+        return best if damage <= (1.0 - CHOICE_MARGIN) * damage_default and damage_default > 0 else default
 
 
 @dataclass

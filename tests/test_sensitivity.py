@@ -108,6 +108,8 @@ def test_a_choice_other_than_the_default_must_cut_its_damage_by_the_margin() -> 
     assert RuleChoice(far, default="rtn/balanced").chosen == "rtn/mse"
     worse = {"rtn/balanced": 0.99, "rtn/mse": 0.98}
     assert RuleChoice(worse, default="rtn/mse").chosen == "rtn/balanced"  # a default that loses is not kept
+    perfect = {"balanced": 1.0, "signed": 1.0, "mse": 1.0 + 1e-12}  # no float output scored, or float noise
+    assert RuleChoice(perfect, default="signed").chosen == "signed"
 
 
 def test_auto_rule_with_feeds_exports_the_rule_it_measured_best(llama: onnx.ModelProto, calibration) -> None:

@@ -365,3 +365,29 @@ def test_stop_bounds_a_serve_shutdown_that_hangs(monkeypatch, capsys) -> None:
     assert time.monotonic() - start < 5
     assert stopped == [True]
     assert "Serve did not stop within 0.2 s; stopping Ray" in capsys.readouterr().err
+
+
+def test_stop_stops_ray_after_serve_and_on_a_second_ctrl_c(monkeypatch) -> None:
+    import ray
+    from ray import serve
+
+    calls = []
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray"))
+    stop()
+    assert calls == ["serve", "ray"]
+
+    calls.clear()
+    monkeypatch.setattr(serve, "shutdown", lambda: time.sleep(30))
+
+    wait = threading.Event.wait
+
+    def interrupted(self, timeout=None):  # Ctrl-C during stop()'s bounded wait (Thread.start waits unbounded)
+        if timeout is None:
+            return wait(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Event, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stop()
+    assert calls == ["ray"]

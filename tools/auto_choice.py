@@ -48,6 +48,8 @@ def held_out_rows(model, feeds, exclude) -> tuple[dict[str, np.ndarray], str, st
     finally:
         probe_module.Probe.cosines = original
     choice = summary.mixed_precision.rule_choice
+    if len(found) != len(choice.cosine):
+        raise SystemExit("the choice compared no held-out rows: a calibration batch of 2 rows or more is needed")
     return dict(zip(choice.cosine, found, strict=True)), choice.default, choice.chosen
 
 
@@ -76,7 +78,7 @@ def main() -> None:
             )
             session = _session(exported)
             cos = np.concatenate([row_cosines(r, _run(session, f)) for r, f in zip(reference, evaluation, strict=True)])
-            damage = (1 - rows.mean()) / (1 - held[default].mean())
+            damage = (1 - rows.mean()) / max(1 - held[default].mean(), 1e-12)
             results[name]["pairs"][label] = {"held": rows.tolist(), "evaluation": float(cos.mean())}
             print(f"  {label:18s} held-out {rows.mean():.5f} (damage x{damage:.3f})  evaluation {cos.mean():.5f}")
     if args.json:

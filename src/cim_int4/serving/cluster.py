@@ -36,17 +36,21 @@ def stop(serve_timeout_s: float = SERVE_STOP_S) -> None:
     import ray
     from ray import serve
 
-    done = threading.Event()
+    done, abandoned = threading.Event(), threading.Event()
 
     def shutdown_serve() -> None:
         try:
             serve.shutdown()
         except Exception as e:  # noqa: BLE001 - reported; Ray's stop below still runs
-            print(f"cim-int4: Serve did not shut down cleanly ({type(e).__name__}: {e})", file=sys.stderr)
+            if not abandoned.is_set():  # after the timeout Ray's stop may well make it fail: no noise then
+                print(f"cim-int4: Serve did not shut down cleanly ({type(e).__name__}: {e})", file=sys.stderr)
         finally:
             done.set()
 
     threading.Thread(target=shutdown_serve, name="serve-shutdown", daemon=True).start()
-    if not done.wait(serve_timeout_s):
-        print(f"cim-int4: Serve did not stop within {serve_timeout_s:g} s; stopping Ray", file=sys.stderr)
-    ray.shutdown()
+    try:
+        if not done.wait(serve_timeout_s):
+            abandoned.set()
+            print(f"cim-int4: Serve did not stop within {serve_timeout_s:g} s; stopping Ray", file=sys.stderr)
+    finally:  # a second Ctrl-C during the wait still stops Ray
+        ray.shutdown()
