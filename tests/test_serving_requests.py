@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -25,6 +28,7 @@ from cim_int4.serving.tensors import (
     split,
 )
 
+SYS_TGKILL = 234  # x86-64 Linux: a signal to one thread of a process
 SPECS = {
     "x": InputSpec("x", np.dtype(np.float32), (None, 3)),
     "ids": InputSpec("ids", np.dtype(np.int64), (None,)),
@@ -180,3 +184,29 @@ def test_bench_report_table_targets_and_plot(tmp_path) -> None:
     assert "two_vs_one_replica: 1.80" in text and "1.90, 1.90" in text
     write_plot(report, tmp_path / "load.png")
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_serve_commands_wait_notices_a_ctrl_c_handled_on_another_thread() -> None:
+    # Linux gives a process's SIGINT to any thread that does not block it; sent here to a worker thread.
+    script = (
+        "import threading, time\n"
+        "from cim_int4.serving.commands import wait_for_ctrl_c\n"
+        "t = threading.Thread(target=lambda: time.sleep(60), daemon=True)\n"
+        "t.start()\n"
+        "print(t.native_id, flush=True)\n"
+        "try:\n"
+        "    wait_for_ctrl_c()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(0.2)
+        assert ctypes.CDLL(None).syscall(SYS_TGKILL, proc.pid, worker, signal.SIGINT) == 0
+        out, _ = proc.communicate(timeout=10)
+        assert out.strip() == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -14,6 +14,7 @@ DEFAULT_PORT = 8000
 # Mirrors app.DEFAULT_MAX_BATCH / DEFAULT_BATCH_WAIT_MS, which import Ray.
 DEFAULT_MAX_BATCH = 16
 DEFAULT_BATCH_WAIT_MS = 5.0
+WAKE_S = 0.5  # how often the serving command's main thread wakes to notice a Ctrl-C
 
 
 class MissingServe(Exception):
@@ -81,13 +82,22 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{config.threads} thread(s), on {where}); Ctrl-C stops",
             flush=True,
         )
-        while True:
-            time.sleep(3600)
+        wait_for_ctrl_c()
     except KeyboardInterrupt:
         print("cim-int4: shutting down", flush=True)
         return 0
     finally:
         stop()
+
+
+def wait_for_ctrl_c() -> None:
+    """Sleep until a KeyboardInterrupt, in short sleeps.
+
+    A Ctrl-C that the kernel hands to another thread (Ray's) only sets Python's flag, which the main
+    thread checks when its sleep ends: one long sleep never noticed it (a CI's 60 s ran out once).
+    """
+    while True:
+        time.sleep(WAKE_S)
 
 
 def _ints(text: str) -> tuple[int, ...]:
