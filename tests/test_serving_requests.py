@@ -186,11 +186,14 @@ def test_bench_report_table_targets_and_plot(tmp_path) -> None:
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_serve_commands_wait_notices_a_ctrl_c_handled_on_another_thread() -> None:
-    # Linux gives a process's SIGINT to any thread that does not block it; sent here to a worker thread.
+@pytest.mark.parametrize("to_worker", [True, False], ids=["sigint-to-a-worker-thread", "sigterm"])
+def test_the_serve_commands_wait_stops_on_ctrl_c_and_sigterm(to_worker: bool) -> None:
+    # Linux gives a process's SIGINT to any thread that does not block it (here: a worker thread), and
+    # a process started in a script's background inherits SIGINT ignored (here: on purpose); SIGTERM is kill's.
     script = (
         "import threading, time\n"
-        "from cim_int4.serving.commands import wait_for_ctrl_c\n"
+        "from cim_int4.serving.commands import take_stop_signals, wait_for_ctrl_c\n"
+        "take_stop_signals()\n"
         "t = threading.Thread(target=lambda: time.sleep(60), daemon=True)\n"
         "t.start()\n"
         "print(t.native_id, flush=True)\n"
@@ -199,11 +202,15 @@ def test_the_serve_commands_wait_notices_a_ctrl_c_handled_on_another_thread() ->
         "except KeyboardInterrupt:\n"
         "    print('stopped', flush=True)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=ignore)
     try:
         worker = int(proc.stdout.readline())
-        time.sleep(0.2)
-        assert ctypes.CDLL(None).syscall(SYS_TGKILL, proc.pid, worker, signal.SIGINT) == 0
+        time.sleep(0.5)  # into the wait
+        if to_worker:
+            assert ctypes.CDLL(None).syscall(SYS_TGKILL, proc.pid, worker, signal.SIGINT) == 0
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=10)
         assert out.strip() == "stopped"
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 import time
 
 from ..contract import COMPUTE_MODES
@@ -71,8 +72,10 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         args.replicas, args.threads, args.max_batch, args.batch_wait_ms, args.max_body, compute=args.compute
     )
+    take_stop_signals()  # before the server is up: a Ctrl-C as soon as it answers is never lost
     app = build_app(args.model, config)  # checks the model path before Ray starts
     start_ray(args.address)
+    take_stop_signals()  # again: Ray's start replaced the SIGTERM handler
     try:
         start_http(args.host, args.port, args.access_log)
         deploy(app, args.access_log)
@@ -90,11 +93,25 @@ def run_serve(args: argparse.Namespace) -> int:
         stop()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def take_stop_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt in the main thread (call from it).
+
+    A process started in the background of a script inherits SIGINT ignored, and SIGTERM (``kill``,
+    ``docker stop``) should stop the server as cleanly; Ray's start installs its own SIGTERM handler.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def wait_for_ctrl_c() -> None:
     """Sleep until a KeyboardInterrupt, in short sleeps.
 
-    A Ctrl-C that the kernel hands to another thread (Ray's) only sets Python's flag, which the main
-    thread checks when its sleep ends: one long sleep never noticed it (a CI's 60 s ran out once).
+    A signal the kernel hands to another thread (Ray's) only sets Python's flag, which the main
+    thread checks when its sleep ends: one long sleep never noticed it.
     """
     while True:
         time.sleep(WAKE_S)
