@@ -106,6 +106,7 @@ class WidthAllocation:
     cosine_exported: float | None = None
     runs: int = 0
     rank_correlation: float | None = None  # Spearman, proxy vs exact damage at 4 bits (when both were measured)
+    rule_choice: RuleChoice | None = None  # scale rule "auto": each rule's mean cosine, every layer at 4 bits
 
     def format(self) -> str:
         """Lines for the export summary."""
@@ -122,6 +123,11 @@ class WidthAllocation:
             f"scale rule {self.scale_rule} ({self.runs} model runs)",
             f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
         ]
+        if self.rule_choice is not None:
+            choice = self.rule_choice
+            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in choice.cosine.items())
+            kept = "" if choice.chosen == choice.best else f"; the default kept: {choice.best} cut its damage < 5%"
+            lines.append(f"    scale rule auto: {choice.chosen} (mean cosine, every layer at 4 bits: {tried}{kept})")
         if self.cosine_probe is not None and self.mean_cosine_probe is not None:
             lines.append(
                 f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "
@@ -340,7 +346,8 @@ def allocate(
             weights = {c.key: quantized(i, DEFAULT_BITS, r) for i, c in enumerate(candidates)}
             tried[r] = mean_damage(weights, range(len(candidates)))[0]
             del weights
-        rule = RuleChoice({r: 1.0 - d for r, d in tried.items()}, auto_rule(options.group_size)).chosen
+        report.rule_choice = RuleChoice({r: 1.0 - d for r, d in tried.items()}, auto_rule(options.group_size))
+        rule = report.rule_choice.chosen
     report.scale_rule = rule
 
     layers = range(len(candidates))

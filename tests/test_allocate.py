@@ -118,6 +118,16 @@ def test_proxy_and_exact_sensitivities_are_both_reported(llama) -> None:
                    for x in allocation.layers)  # fmt: skip
 
 
+def test_auto_rule_under_a_budget_reports_its_choice(llama) -> None:
+    model, feeds = llama
+    _, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=4.0, bits_sensitivity="proxy")
+    allocation = summary.allocation
+    choice = allocation.rule_choice
+    assert choice is not None and set(choice.cosine) == {"balanced", "signed", "mse"}
+    assert choice.default == "balanced" and allocation.scale_rule == choice.chosen
+    assert f"scale rule auto: {choice.chosen} (mean cosine, every layer at 4 bits" in summary.format()
+
+
 def test_a_tied_head_and_its_table_share_one_width() -> None:
     model = onnx.load(ZOO / "qwen2_tied_dynamo.onnx")
     feeds = random_input(model, {}, seed=0)
