@@ -124,10 +124,7 @@ class WidthAllocation:
             f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
         ]
         if self.rule_choice is not None:
-            choice = self.rule_choice
-            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in choice.cosine.items())
-            kept = "" if choice.chosen == choice.best else f"; the default kept: {choice.best} cut its damage < 5%"
-            lines.append(f"    scale rule auto: {choice.chosen} (mean cosine, every layer at 4 bits: {tried}{kept})")
+            lines.append(f"    scale rule auto: {self.rule_choice.describe('every layer at 4 bits')}")
         if self.cosine_probe is not None and self.mean_cosine_probe is not None:
             lines.append(
                 f"    chosen widths: worst cosine {self.cosine_probe:.6f}, mean {self.mean_cosine_probe:.6f} "

@@ -51,6 +51,14 @@ class RuleChoice:
         damage, damage_default = (max(0.0, 1.0 - self.cosine[c]) for c in (best, default))
         return best if damage <= (1.0 - CHOICE_MARGIN) * damage_default and damage_default > 0 else default
 
+    def describe(self, measured_with: str) -> str:
+        """``chosen (mean cosine, <measured_with>: each candidate's; the default kept ...)`` for a summary."""
+        tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.cosine.items())
+        kept = ""
+        if self.chosen != self.best:
+            kept = f"; the default kept: {self.best} cut its damage by less than {CHOICE_MARGIN:.0%}"
+        return f"{self.chosen} (mean cosine, {measured_with}: {tried}{kept})"
+
 
 @dataclass
 class MixedPrecision:
@@ -92,14 +100,9 @@ class MixedPrecision:
                 + (f"; AWQ scales folded at {self.awq_inputs} layer input(s)" if self.awq_inputs else "")
             )
         if self.rule_choice is not None:
-            tried = ", ".join(f"{rule} {cos:.6f}" for rule, cos in self.rule_choice.cosine.items())
             named = {"rtn": "scale rule auto", "auto": "method auto"}
             what = named.get(self.method, f"method {self.method}, rule auto")
-            choice = self.rule_choice
-            kept = ""
-            if choice.chosen != choice.best:
-                kept = f"; the default kept: {choice.best} cut its damage by less than {CHOICE_MARGIN:.0%}"
-            lines.append(f"    {what}: {choice.chosen} (mean cosine, every layer INT4: {tried}{kept})")
+            lines.append(f"    {what}: {self.rule_choice.describe('every layer INT4')}")
         if self.cosine_all_int4 is not None:
             lines.append(f"    every layer INT4: cosine {self.cosine_all_int4:.6f}")
         if self.target_cosine != 0.0 and self.cosine_probe is not None:
