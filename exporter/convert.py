@@ -24,6 +24,7 @@ levels compute in FP32. Nodes that do not match are left as they are, with the r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -44,10 +45,12 @@ from ..contract import (
     SUPPORTED_GROUP_SIZES,
     Int4Node,
     SharedInt4Node,
+    is_op_node,
     pack,
     unpack,
     unpack_codes,
 )
+from . import gated
 from .api import ExportError, max_ir_version
 from .fold import NotFoldable, Scope
 from .io import ModelFileError, external_info, read_model, tensor_nbytes
@@ -83,6 +86,7 @@ class ConvertSummary:
     converted: list[Converted] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     gathers: list[str] = field(default_factory=list)  # GatherBlockQuantized nodes now CimInt4Gather
+    gated: list[str] = field(default_factory=list)  # gated MLPs fused: "gate + up (activation)"
 
     def format(self) -> str:
         """A human-readable report, one line per node."""
@@ -97,6 +101,9 @@ class ConvertSummary:
             lines.append(f"  converted {GATHER_NBITS_OP} {name!r} to {GATHER_OP_TYPE} (reads its table in place)")
         for s in self.skipped:
             lines.append(f"  skipped   {s.name!r}: {s.reason}")
+        if self.gated:
+            lines.append(f"  gated MLPs: {len(self.gated)} fused, each gate and up projection with its activation and "
+                         "product in one node")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -268,11 +275,33 @@ class NothingToConvert(ExportError):
         self.summary = summary
 
 
+def _fuse_gated(graph: onnx.GraphProto, summary: ConvertSummary) -> None:
+    """Each gated MLP of two converted (attribute-form) nodes as one gated node (exporter.gated), in place."""
+    replaced: dict[int, onnx.NodeProto | None] = {}
+    for mlp in gated.find(graph, lambda n: is_op_node(n) and len(n.input) == 1):
+        gate, up = (Int4Node.from_node(graph.node[i]) for i in (mlp.gate, mlp.up))
+        fused = gated.fuse(gate, up, mlp, f"{gate.name}/gated")
+        if fused is None:
+            continue
+        if fused.compute == DEFAULT_COMPUTE:  # as the converted nodes: absent means fp32 to every build of the op
+            fused = dataclasses.replace(fused, compute=None)
+        gated.forget_shapes(graph, mlp)
+        replaced[mlp.mul] = fused.to_node()
+        replaced.update(dict.fromkeys(mlp.dropped))
+        summary.gated.append(f"{gate.name} + {up.name} ({mlp.activation})")
+    for index in sorted(replaced, reverse=True):
+        if replaced[index] is None:
+            del graph.node[index]
+        else:
+            graph.node[index].CopyFrom(replaced[index])
+
+
 def _convert_in_place(
     model: onnx.ModelProto,
     compute: str,
     load: Callable[[onnx.TensorProto], np.ndarray] | None = None,
     initializers_of: onnx.GraphProto | None = None,
+    fuse_gated: bool = True,
 ) -> ConvertSummary:
     """Convert ``model`` itself, for callers that own it; ``load`` reads an initializer (default: its inline data).
 
@@ -303,6 +332,8 @@ def _convert_in_place(
         summary.converted.append(done)
     if not summary.converted:
         raise NothingToConvert(summary)
+    if fuse_gated:
+        _fuse_gated(graph, summary)
     folded: set[str] = set()
     for index, node in enumerate(graph.node):
         if node.op_type != GATHER_NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -329,14 +360,17 @@ def conversion_options(options: ExportOptions | None = None, **values: object) -
     """A conversion's options: ``options`` (default ``compute="auto"``) with ``values``; compute and external_data only.
 
     ``compute``: ``"auto"`` (accuracy_level 4 -> ``"int8"``, else ``"fp32"``), ``"fp32"`` or
-    ``"int8"``; ``external_data``: tensors in ``<output>.data`` whatever the size. ValueError
+    ``"int8"``; ``fuse_gated``: gated MLPs as one node each (exporter.gated); ``external_data``:
+    tensors in ``<output>.data`` whatever the size. ValueError
     names any other option given: a conversion keeps MatMulNBits' own block size and rounding.
     """
     options = (options or CONVERT_DEFAULTS).with_(**values)
-    other = [f.name for f in fields(ExportOptions) if f.name not in ("compute", "external_data")
+    other = [f.name for f in fields(ExportOptions) if f.name not in ("compute", "external_data", "fuse_gated")
              and getattr(options, f.name) != getattr(CONVERT_DEFAULTS, f.name)]
     if other:
-        raise ValueError(f"a MatMulNBits conversion takes only the options compute and external_data, got {other}")
+        raise ValueError(
+            f"a MatMulNBits conversion takes only the options compute, external_data and fuse_gated, got {other}"
+        )
     return options
 
 
@@ -348,13 +382,13 @@ def convert_with_summary(
 ) -> tuple[onnx.ModelProto, ConvertSummary]:
     """A copy of ``model`` with each convertible MatMulNBits node as CimInt4MatMul, and the summary.
 
-    Options (``conversion_options``): ``compute``. ``model`` is left as it is. Raises
+    Options (``conversion_options``): ``compute``, ``fuse_gated`` (exporter.gated). ``model`` is left as it is. Raises
     NothingToConvert (an ExportError) if no node converts (the message lists why for each).
     """
     options = conversion_options(options, **values)
     out = without(model, ("graph",))
     out.graph.CopyFrom(without(model.graph, ("initializer",)))
-    return out, _convert_in_place(out, options.compute, initializers_of=model.graph)
+    return out, _convert_in_place(out, options.compute, initializers_of=model.graph, fuse_gated=options.fuse_gated)
 
 
 def from_matmulnbits(model: onnx.ModelProto, options: ExportOptions | None = None, **values: object) -> onnx.ModelProto:
@@ -391,7 +425,7 @@ def convert_file(
     """Convert the model file ``source`` (with its external data) and write ``output``; never the input.
 
     Reads one node's weights at a time: memory peaks near the int4 weights once (docs/guide.md, "convert").
-    Options (``conversion_options``): ``compute``, ``external_data`` (see ``save_model``).
+    Options (``conversion_options``): ``compute``, ``fuse_gated``, ``external_data`` (see ``save_model``).
     """
     options = conversion_options(options, **values)
     compute, external_data = options.compute, options.external_data
@@ -400,7 +434,7 @@ def convert_file(
         model, input_files = read_model(source)
         with OutputFiles(output, input_files) as files:
             store = TensorStore(files)
-            summary = _convert_in_place(model, compute, store.read)
+            summary = _convert_in_place(model, compute, store.read, fuse_gated=options.fuse_gated)
             files.commit(model, store, external_data=external_data, consume=True)
     except ModelFileError as e:
         raise ExportError(str(e)) from e

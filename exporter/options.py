@@ -65,6 +65,8 @@ class ExportOptions:
     * ``external_data``: write the output's tensors to ``<output>.data`` whatever its size.
       ``compute`` and ``external_data`` are also the options of a MatMulNBits conversion
       (exporter.convert), which takes no other.
+    * ``fuse_gated``: each gated MLP (two projections of one input, an activation on one, their
+      product) becomes one gated CimInt4MatMul (exporter.gated); False keeps four or five nodes.
     * ``keep_embedding``: leave every Gather on a constant table (the token embedding) FP32; by
       default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
       (docs/embeddings.md).
@@ -90,6 +92,7 @@ class ExportOptions:
     gptq_block: int = DEFAULT_BLOCK  # input channels per lazy update
     gptq_act_order: bool = True  # sweep channels by decreasing H[k, k] (groups stay contiguous); docs/methods.md
     keep_embedding: bool = False
+    fuse_gated: bool = True
     bits: Bits = DEFAULT_BITS
     bits_budget: float | None = None
     scale_dtype: str = DEFAULT_SCALE_DTYPE

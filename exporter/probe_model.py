@@ -59,6 +59,7 @@ class ProbeRewriter(Rewriter):
     """Emits ``MatMul(x, W) [+ bias]`` where the export writes CimInt4MatMul, W a main-graph input per node."""
 
     quantizes_tables = False  # the probe measures MatMuls only; embeddings stay as they are
+    fuses_gated = False  # the probe reads each MatMul's output; the gated MLPs are fused in the final rewrite
 
     def __init__(self, model: onnx.ModelProto, options: ExportOptions, tensors: _Originals | None = None) -> None:
         super().__init__(model, options, tensors=tensors)

@@ -11,6 +11,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..contract import DEFAULT_BITS, MATMUL_SHARED, OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node, SharedInt4Node
+from . import gated
 from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
 from .operands import Ineligible, Plan, plan_gemm, plan_matmul
@@ -83,6 +84,8 @@ class Rewriter:
 
     # Gathers on constant tables become CimInt4Gather (and tied heads share them); not in a probe.
     quantizes_tables = True
+    # Gated MLPs become one gated CimInt4MatMul (exporter.gated); not in a probe.
+    fuses_gated = True
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class Rewriter:
         # Embedding tables (Gather on a constant table), shared with a tied LM head; none in a probe.
         self.tables = Tables(options, self.fresh, tensors.write if tensors is not None else None, table_widths)
         self.quantize_tables = self.quantizes_tables and not options.keep_embedding
+        self.fuse_gated = self.fuses_gated and options.fuse_gated
 
     def fresh(self, base: str) -> str:
         """A tensor name used nowhere in the model, derived from ``base``."""
@@ -154,6 +158,10 @@ class Rewriter:
         gathers = self.plan_tables(graph, scope, path) if self.quantize_tables else {}
         if gathers and self.quantized:
             self.give_tied_heads(graph, scope, path)
+        # Gated MLPs: each projection is held until its partner is made, then both become one node.
+        mlps = gated.find(graph, _is_matmul) if self.fuse_gated else []
+        roles = {i: m for m in mlps for i in (m.gate, m.up)}
+        halves: dict[int, Int4Node] = {}
         for index, node in enumerate(graph.node):
             label = node_label(node, index)
             for attr_label, body in subgraphs(node):
@@ -189,7 +197,16 @@ class Rewriter:
                 self.summary.skipped.append(Skipped(label, node.op_type, self.keep[key], path))
                 continue
             table = self.tables.tied(plan.w) if self.quantize_tables else None
-            replaced[index], after = self.emit(node, plan, key, casts, initializers, table)
+            mlp = roles.get(index)
+            if mlp is not None and table is None and _direct(plan):
+                halves[index] = self.int4_node(node.name or f"{node.output[0]}/{OP_TYPE}", key, node.input[0],
+                                               node.output[0], plan)
+                replaced[index], after = [], halves[index].packed.nbytes + halves[index].scales.nbytes
+                after += 0 if plan.bias is None else plan.bias.nbytes
+                if mlp.gate in halves and mlp.up in halves:
+                    self.fuse(graph, mlp, halves.pop(mlp.gate), halves.pop(mlp.up), replaced, path)
+            else:
+                replaced[index], after = self.emit(node, plan, key, casts, initializers, table)
             self.folded.update(plan.sources)
             if after is not None:
                 bits = self.widths_used.get(key, DEFAULT_BITS)
@@ -201,13 +218,48 @@ class Rewriter:
                 self.summary.rewritten.append(
                     Rewritten(label, node.op_type, k, n, before, after, path, notes, bits, table is not None)
                 )
+        for index, half in halves.items():  # a projection whose partner stayed FP32: a node of its own
+            replaced[index] = [self.written(half)]
         # In place, from the back: the nodes kept (If bodies, say) are not copied.
         for index in sorted(replaced, reverse=True):
+            if not replaced[index]:
+                del graph.node[index]
+                continue
             first, *rest = replaced[index]
             graph.node[index].CopyFrom(first)
             for offset, extra in enumerate(rest, 1):
                 graph.node.insert(index + offset, extra)
         graph.initializer.extend(initializers)
+
+    def fuse(
+        self,
+        graph: onnx.GraphProto,
+        mlp: gated.GatedMLP,
+        gate: Int4Node,
+        up: Int4Node,
+        replaced: dict[int, list[onnx.NodeProto]],
+        path: str,
+    ) -> None:
+        """Both projections of ``mlp`` as one gated node in the final Mul's place, or each its own if they differ."""
+        fused = gated.fuse(gate, up, mlp, f"{gate.name}/gated")
+        if fused is None:
+            replaced[mlp.gate], replaced[mlp.up] = [self.written(gate)], [self.written(up)]
+            return
+        replaced[mlp.mul] = [self.written(fused)]
+        for index in mlp.activation_nodes:
+            replaced[index] = []
+        gated.forget_shapes(graph, mlp)
+        labels = (node_label(graph.node[mlp.gate], mlp.gate), node_label(graph.node[mlp.up], mlp.up))
+        self.summary.gated.append(f"{path}{labels[0]} + {labels[1]} ({mlp.activation})")
+
+    def written(self, node: Int4Node) -> onnx.NodeProto:
+        """``node`` as an ONNX node, its tensors handed to ``tensors`` (streamed out) first."""
+        proto = node.to_node()
+        if self.tensors is not None:
+            for a in proto.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
+        return proto
 
     def plan(self, node: onnx.NodeProto, scope: Scope) -> Plan:
         """The Plan of a MatMul/Gemm ``node``; Ineligible says why there is none."""
@@ -351,19 +403,30 @@ class Rewriter:
                 base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, o.node_compute, qw.bits
             ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
+        node = self.int4_node(base, key, x, out, plan)
+        bias_bytes = 0 if plan.bias is None else plan.bias.nbytes
+        return [self.written(node)], node.packed.nbytes + node.scales.nbytes + bias_bytes
+
+    def int4_node(self, base: str, key: str, x: str, out: str, plan: Plan) -> Int4Node:
+        """The CimInt4MatMul of ``out = x @ W (+ bias)``, its weight quantized (or taken from ``quantized``)."""
+        o = self.options
         qw = self.quantized.get(key) or quantize_weight(
             plan.w, self.group_size, o.scale_rule, width_of(o.bits, key, base), o.scale_dtype
         )
         self.widths_used[key] = qw.bits
-        op = Int4Node(
+        return Int4Node(
             base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, o.node_compute,
             bits=qw.bits,
-        ).to_node()
-        if self.tensors is not None:
-            for a in op.attribute:
-                if a.type == onnx.AttributeProto.TENSOR:
-                    self.tensors.write(a.t)  # streamed out now, before the node is copied into the graph
-        return [op], qw.packed.nbytes + qw.scales.nbytes + (0 if plan.bias is None else plan.bias.nbytes)
+        )
+
+
+def _is_matmul(node: onnx.NodeProto) -> bool:
+    return node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS
+
+
+def _direct(plan: Plan) -> bool:
+    """Whether the node becomes the op alone (float32, no Transpose, Unsqueeze or Add around it)."""
+    return plan.elem_type == onnx.TensorProto.FLOAT and not plan.trans_a and not plan.unsqueeze and plan.add is None
 
 
 def run_rewrite(

@@ -160,6 +160,8 @@ class ExportSummary:
     mixed_precision: MixedPrecision | None = None
     # Set by a ``bits="auto"`` export (exporter.allocate.WidthAllocation): widths chosen per layer.
     allocation: Any = None
+    # Gated MLPs fused into one node each (exporter.gated): "gate label + up label (activation)".
+    gated: list[str] = field(default_factory=list)
 
     @property
     def bytes_before(self) -> int:
@@ -192,6 +194,11 @@ class ExportSummary:
                     f"  bits per weight of the quantized layers: {bpw:.3f} (codes, scales and biases; widths "
                     f"{', '.join(map(str, widths))})"
                 )
+        if self.gated:
+            lines.append(
+                f"  gated MLPs: {len(self.gated)} fused, each gate and up projection with its activation and "
+                "product in one node (fuse_gated=False keeps them apart)"
+            )
         if self.mixed_precision is not None:
             lines.append(self.mixed_precision.format())
         if self.allocation is not None:

@@ -13,7 +13,8 @@ with three limits that shape this module:
 * An exception raised by a Python op aborts the process. So every attribute is checked when
   the session is made (one-line ``ValueError`` naming node and attribute, the same checks as
   the op library), and a wrong input shape is caught by ORT itself: a ``MatMul`` of ``A``
-  with an empty ``[K, 0]`` constant runs first and fails like any ORT node.
+  with an empty ``[K, 0]`` constant runs first and fails like any ORT node. A gated node's
+  ``gated`` is a string attribute too ("" for none).
 * Ops are registered per process, by name: ``CimInt4MatMulReference`` is registered once and
   cannot clash with the library's ``CimInt4MatMul`` (domain ``dbhoo.cim``).
 
@@ -74,9 +75,11 @@ def run_node(
     compute: str,
     node: str,
     bits: int = DEFAULT_BITS,
+    gated: str = "",
 ) -> np.ndarray:
-    """What one reference node computes: ``reference.emulate`` (an empty ``bias`` means none)."""
-    return reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute, bits)
+    """What one reference node computes: ``reference.emulate`` (an empty ``bias`` means none), then its gate if any."""
+    y = reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute, bits)
+    return reference.gated(y, gated).astype(np.float32) if gated else y
 
 
 def _op_body(
@@ -89,7 +92,8 @@ def _op_body(
         return run_node(a, packed, scales, bias, **attrs)
     except Exception as e:  # noqa: BLE001
         print(f"cim-int4: {REFERENCE_OP} node '{attrs.get('node')}' failed: {e}", file=sys.stderr)
-        return np.full((*a.shape[:-1], int(attrs["N"])), np.nan, dtype=np.float32)
+        n = int(attrs["N"]) // (2 if attrs.get("gated") else 1)
+        return np.full((*a.shape[:-1], n), np.nan, dtype=np.float32)
 
 
 @functools.cache
@@ -105,6 +109,7 @@ def _register_op() -> None:
         "bits": PyCustomOpDef.dt_int64,
         "compute": PyCustomOpDef.dt_string,
         "node": PyCustomOpDef.dt_string,
+        "gated": PyCustomOpDef.dt_string,
     }
     onnx_op(op_type=REFERENCE_OP, inputs=[f32, f32, u8, f32, f32], outputs=[f32], attrs=attrs)(_op_body)
 
@@ -262,6 +267,7 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
                 bits=w.bits,
                 compute=compute or w.compute,
                 node=node.name,
+                gated=w.gated or "",
             )
         )
     graph.ClearField("node")

@@ -15,6 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import QuantizedWeight, quantize_weight
+from cim_int4.exporter.gated import plain_nodes
 from cim_int4.exporter.subgraph import all_graphs
 from cim_int4.ops import reference
 from onnx import TensorProto, helper, numpy_helper
@@ -184,13 +185,20 @@ def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
                 packed, scales = numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"])
             w = reference.dequantize(packed, scales.reshape(a["N"], -1), a["K"], a["group_size"])
             inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
-            y = node.output[0]
+            y = node.output[0] if "gated" not in a else f"{node.output[0]}.full"
+            if "gated" in a:  # both halves as one product, then the gate in plain ONNX
+                gate, consts = plain_nodes(y, node.output[0], a["N"] // 2, a["gated"].decode(), f"{node.name}.gate")
+                nodes_after, inits_after = gate, consts
+            else:
+                nodes_after, inits_after = [], []
             if "bias" in a:
                 inits.append(numpy_helper.from_array(numpy_helper.to_array(a["bias"]), f"{node.name}.bias_attr"))
                 nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [f"{y}.matmul"]))
                 nodes.append(helper.make_node("Add", [f"{y}.matmul", f"{node.name}.bias_attr"], [y]))
             else:
                 nodes.append(helper.make_node("MatMul", [node.input[0], f"{node.name}.dequantized"], [y]))
+            nodes.extend(nodes_after)
+            inits.extend(inits_after)
         del graph.node[:]
         graph.node.extend(nodes)
         graph.initializer.extend(inits)

@@ -245,13 +245,14 @@ def test_bad_compute_choice() -> None:
 
 
 def test_a_conversion_takes_the_export_options_it_can_honour_and_names_the_others() -> None:
-    # The same ExportOptions as an export: compute (with "auto") and external_data apply; a
+    # The same ExportOptions as an export: compute (with "auto"), external_data and fuse_gated apply; a
     # group size or rule cannot (the MatMulNBits model fixed them), so asking for one is an error.
     nbits = ort_nbits(fp32_model(), accuracy_level=4)
     by_options = from_matmulnbits(nbits, ExportOptions(compute="fp32"))
     assert {a.s for n in by_options.graph.node for a in n.attribute if a.name == "compute"} <= {b"fp32"}
     assert {a.s for n in from_matmulnbits(nbits).graph.node for a in n.attribute if a.name == "compute"} == {b"int8"}
-    with pytest.raises(ValueError, match=r"takes only the options compute and external_data, got \['group_size'\]"):
+    only = r"takes only the options compute, external_data and fuse_gated, got \['group_size'\]"
+    with pytest.raises(ValueError, match=only):
         from_matmulnbits(nbits, group_size=64)
     # For an export, "auto" is the op's default mode.
     assert ExportOptions(compute="auto").node_compute == "fp32"

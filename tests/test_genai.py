@@ -65,13 +65,14 @@ def test_prepared_folder(name: str, folders: dict[str, Path]) -> None:
     model = onnx.load(str(folder / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
     assert OP_TYPE in ops and "MatMulNBits" not in ops and "MatMul" not in ops
-    assert ops.count(OP_TYPE) == 11  # 2 layers x (qkv, o, gate, up, down) + lm_head
+    # 2 layers x (qkv, o, gate and up as one gated node, down) + lm_head
+    assert ops.count(OP_TYPE) == 9 and "Sigmoid" not in ops and "QuickGelu" not in ops
     # The converted weights go to a new model.onnx.data (ORT then keeps one copy of them, not two).
     data = folder / "model.onnx.data"
     assert data.stat().st_size < (INT4 / "model.onnx.data").stat().st_size
     nodes = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node
     weights = [a.t for n in nodes if n.op_type == OP_TYPE for a in n.attribute if a.name == "packed"]
-    assert len(weights) == 11 and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
+    assert len(weights) == 9 and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
     assert (folder / "tokenizer.json").read_bytes() == (INT4 / "tokenizer.json").read_bytes()
     compute = {a.s for n in model.graph.node for a in n.attribute if a.name == "compute"}
     # The converter writes the attribute only for int8; the exporter writes it on every node.

@@ -3,7 +3,8 @@
     python tools/dequantized_twin.py EXPORTED.onnx OUT.onnx
 
 Each node's weight is ``reference.dequantize`` of its codes and scales (any width, float32 or
-float16 scales), so the twin computes what the op's fp32 compute mode computes, up to
+float16 scales; a gated node's gate in plain ONNX after it, ``exporter.gated.plain_nodes``), so
+the twin computes what the op's fp32 compute mode computes, up to
 summation order, in plain ONNX Runtime: the accuracy of widths whose kernels are not in the
 op library yet can be measured (``cim-int4 perplexity`` on a genai folder holding the twin).
 A genai folder's side files (genai_config.json, tokenizer) are copied next to OUT.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from cim_int4.exporter import gated
 from cim_int4.ops.reference import dequantize
 from onnx import helper, numpy_helper
 
@@ -41,13 +43,18 @@ def twin(model: onnx.ModelProto) -> onnx.ModelProto:
             w = dequantize(n.packed, n.scales, n.k, n.group_size, n.bits).astype(np.float32)
             name = f"{node.name}/dequantized"
             new_inits.append(numpy_helper.from_array(w, name))
+            y = f"{node.output[0]}/full" if n.gated else node.output[0]  # a gated node: both halves, then its gate
             if n.bias is None:
-                new_nodes.append(helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name))
+                new_nodes.append(helper.make_node("MatMul", [node.input[0], name], [y], name=node.name))
             else:
                 new_inits.append(numpy_helper.from_array(n.bias.astype(np.float32), f"{name}/bias"))
                 mid = f"{node.output[0]}/product"
                 new_nodes.append(helper.make_node("MatMul", [node.input[0], name], [mid], name=node.name))
-                new_nodes.append(helper.make_node("Add", [mid, f"{name}/bias"], list(node.output)))
+                new_nodes.append(helper.make_node("Add", [mid, f"{name}/bias"], [y]))
+            if n.gated:
+                nodes, consts = gated.plain_nodes(y, node.output[0], n.outputs_n, n.gated, f"{node.name}/gate")
+                new_nodes += nodes
+                new_inits += consts
             continue
         if is_op_node(node, MATMUL_SHARED) or is_op_node(node, GATHER):
             attrs = _ints(node)

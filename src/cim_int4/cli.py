@@ -265,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
         "a tied LM head shares its int4 tensors (docs/embeddings.md)",
     )
+    p.add_argument(
+        "--no-fuse-gated",
+        dest="fuse_gated",
+        action="store_const",
+        const=False,
+        default=None,
+        help="keep each gated MLP's gate and up projections, activation and product as separate nodes; by default "
+        "they become one gated CimInt4MatMul (docs/contract.md, 'Gated MLPs')",
+    )
     _add_widths(p)
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")

@@ -21,6 +21,10 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
 * ``bias`` (optional) float32 ``[N]``, finite.
 * ``compute`` (optional string, one of ``COMPUTE_MODES``; absent = ``"fp32"``); a session's
   config entry ``COMPUTE_CONFIG`` overrides it for every node.
+* ``gated`` (optional string, one of ``GATED_ACTIVATIONS``): a gated MLP's two projections in one
+  node. ``N`` is even and counts both: channels ``[0, N/2)`` are the gate, ``[N/2, N)`` the up
+  projection (codes, scales and bias in that order), and the node outputs ``N/2`` channels,
+  ``y = act(a @ W[:, :N/2]) * (a @ W[:, N/2:])`` (act by ``GATED_FORMULAS``).
 
 Dequantized, ``W[k, n] = float32(scales[n, k // group_size]) * (code(n, k) - 2^(b-1))``.
 
@@ -61,6 +65,10 @@ DEFAULT_GROUP_SIZE = 32
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_BITS = 4
 SCALE_DTYPES = ("float32", "float16")
+# Activations of a gated node (attribute ``gated``): y = act(A @ W_gate) * (A @ W_up), see GATED_FORMULAS.
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+# Each is act(g) = g / (1 + exp(-t(g))) with this t (gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
+GATED_FORMULAS = {"silu": "t = g", "gelu_tanh": "t = 2 sqrt(2/pi) (g + 0.044715 g^3)"}
 
 # --- attribute names (read by CMake: keep each a literal on its own line) -----------------------
 ATTR_K = "K"
@@ -71,6 +79,7 @@ ATTR_PACKED = "packed"
 ATTR_SCALES = "scales"
 ATTR_BIAS = "bias"
 ATTR_COMPUTE = "compute"
+ATTR_GATED = "gated"
 
 
 def check_compute(compute: str, what: str = "compute") -> str:
@@ -224,6 +233,13 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         default=DEFAULT_COMPUTE,
         meaning=f"compute mode, one of {', '.join(COMPUTE_MODES)}",
     ),
+    Attribute(
+        ATTR_GATED,
+        "string",
+        required=False,
+        meaning=f"gated MLP, one of {', '.join(GATED_ACTIVATIONS)}: N even, channels [0, N/2) the gate, "
+        "[N/2, N) the up projection; output N/2 channels act(gate) * up",
+    ),
 )
 
 
@@ -243,7 +259,7 @@ class OpSpec:
 
 MATMUL = OpSpec(
     OP_TYPE, ("A",), ("Y",),
-    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_BIAS, ATTR_COMPUTE),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_BIAS, ATTR_COMPUTE, ATTR_GATED),
 )
 OPS: Mapping[str, OpSpec] = {MATMUL.op_type: MATMUL}
 # The same codes and scales read as constant-initializer inputs instead of attributes, so that an
@@ -267,7 +283,8 @@ class Int4Node:
 
     ``compute=None`` writes no ``compute`` attribute (the op then computes in ``"fp32"``), and
     ``bits=4`` no ``bits`` attribute (4 is its default); ``from_node`` fills in the defaults, so a
-    read node always has ``group_size``, ``bits`` and ``compute``.
+    read node always has ``group_size``, ``bits`` and ``compute``. ``gated`` (an activation of
+    GATED_ACTIVATIONS, else None): ``n`` counts both halves, the node outputs ``outputs_n``.
     """
 
     name: str
@@ -282,17 +299,23 @@ class Int4Node:
     compute: str | None = DEFAULT_COMPUTE
     op: OpSpec = MATMUL
     bits: int = DEFAULT_BITS
+    gated: str | None = None
 
     @property
     def groups(self) -> int:
         """Scale groups along K."""
         return groups_of(self.k, self.group_size)
 
+    @property
+    def outputs_n(self) -> int:
+        """Channels of the output: ``n``, or ``n / 2`` for a gated node."""
+        return self.n // 2 if self.gated else self.n
+
     def attributes(self) -> dict[str, object]:
         """The node's attributes as ``helper.make_node`` keywords (tensors as TensorProtos named as the attribute)."""
         values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
                   ATTR_PACKED: self.packed, ATTR_SCALES: self.scales, ATTR_BIAS: self.bias,
-                  ATTR_COMPUTE: self.compute}
+                  ATTR_COMPUTE: self.compute, ATTR_GATED: self.gated}
         return _attributes(self.op, values)
 
     def to_node(self) -> onnx.NodeProto:
@@ -325,6 +348,12 @@ class Int4Node:
         compute = compute.decode() if isinstance(compute, bytes) else compute
         if compute not in COMPUTE_MODES:
             raise ValueError(f"{where}attribute 'compute' is {compute!r}, expected one of {COMPUTE_MODES}")
+        gated = values.get(ATTR_GATED)
+        gated = gated.decode() if isinstance(gated, bytes) else gated
+        if gated is not None and (ATTR_GATED not in op.attributes or gated not in GATED_ACTIVATIONS):
+            raise ValueError(f"{where}attribute 'gated' is {gated!r}, expected one of {GATED_ACTIVATIONS}")
+        if gated is not None and n % 2:
+            raise ValueError(f"{where}attribute 'N' is {n}, expected an even N with 'gated' (gate, then up channels)")
         groups = groups_of(k, group_size)
         packed = _tensor(values, op.attribute(ATTR_PACKED), where, (n, row_bytes(groups * group_size, bits)))
         scales = _tensor(values, op.attribute(ATTR_SCALES), where, (n, groups))
@@ -345,7 +374,7 @@ class Int4Node:
             raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
         return cls(
             node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op,
-            bits,
+            bits, gated,
         )
 
 

@@ -16,6 +16,9 @@ weight's absolute values, ``a`` the layer's input on each backend and ``mag = |a
   (and so may quantize differently): the documented int8 error of each side,
   ``sum over k of as_g / 2 * |W[k]|``, with ``as_g = max|a_g| / 127``.
 
+A gated node (attribute ``gated``) gets that bound on both halves of its product, carried through
+its activation by ``reference.gated_bound``.
+
 A difference beyond that is a kernel bug in that layer, not quantization noise.
 """
 
@@ -131,8 +134,15 @@ def crosscheck(
     for node, w in layers:
         mode = compute or w.compute
         a, y = node.input[0], node.output[0]
-        nat, ref = runs["native"][y].reshape(-1, w.n), runs["reference"][y].reshape(-1, w.n)
-        allowed = allowed_difference(w, mode, runs["native"][a], runs["reference"][a], ref)
+        nat, ref = runs["native"][y].reshape(-1, w.outputs_n), runs["reference"][y].reshape(-1, w.outputs_n)
+        if w.gated:
+            # The bound of the full product (both halves, from the reference's own input), carried through the gate.
+            a_ref = runs["reference"][a]
+            full = reference.emulate(a_ref, w.packed, w.scales, w.k, w.group_size, w.bias, mode, w.bits)
+            full = full.reshape(-1, w.n)
+            allowed = reference.gated_bound(full, allowed_difference(w, mode, runs["native"][a], a_ref, full), w.gated)
+        else:
+            allowed = allowed_difference(w, mode, runs["native"][a], runs["reference"][a], ref)
         diff = _difference(nat, ref)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(diff > 0, diff / allowed, 0.0)

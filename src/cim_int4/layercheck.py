@@ -5,8 +5,9 @@ they are used):
 
 * the kernel: the node runs alone in ORT on the FP32 model's own input to it, and its
   output is held to that input times its dequantized weights, within the rounding that
-  the node's compute mode allows (``expected``). A kernel that reads nibbles, groups or
-  scales other than the format says is far outside that bound.
+  the node's compute mode allows (``expected``; a gated node's halves through its gate). A
+  kernel that reads nibbles, groups or scales other than the format says is far outside that
+  bound.
 * the weights: each dequantized weight must be within one quantization step of the FP32
   weight it replaces (``code_steps``: round to nearest gives <= 0.5, clipping at the ends
   of -8..7 counts as 0). A file whose nibbles were swapped or whose scales belong to
@@ -279,6 +280,10 @@ def check_layer(
         k, g = int(_attr(node, "K").i), int(group.i) if group else DEFAULT_GROUP_SIZE
         check_compute(compute, "attribute compute")
         want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute)
+        gated = attrs.get("gated")
+        if gated is not None:  # a gated MLP: both halves' bounds, carried through the activation
+            gated = gated.decode() if isinstance(gated, bytes) else gated
+            want, bound = reference.gated(want, gated), reference.gated_bound(want, bound, gated)
     except Exception as e:  # noqa: BLE001 - any failure of the layer alone is this layer's verdict
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return LayerCheck(label, node.output[0], compute, math.inf, math.inf, error=f"fails to run alone: {first}")

@@ -84,7 +84,10 @@ def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int
 
     packed, scales = attrs["packed"], attrs["scales"]
     bits = int(attrs.get("bits") or 4)
-    choice = int(rng.integers(0, 26))
+    choice = int(rng.integers(0, 27))
+    if choice == 26:
+        attrs["gated"] = _pick(rng, ["silu", "gelu_tanh", "relu", "", 3])
+        return f"gated={attrs['gated']!r} (N={n})"
     if choice == 24:
         attrs["bits"] = _pick(rng, [0, 1, 7, 9, 16, -4, 2**40, *[b for b in BITS if b != bits]])
         return f"bits={attrs['bits']} (data for {bits})"
@@ -289,6 +292,9 @@ def _check_output(case: Case, y: np.ndarray) -> str | None:
         bits = attrs.get("bits", 4)
         bias = attrs.get("bias")
         compute = attrs.get("compute")
+        gated = attrs.get("gated")
+        if gated is not None and (gated not in reference.GATED_ACTIVATIONS or n % 2):
+            raise ValueError(f"gated={gated!r} with N={n}")
         if not isinstance(bits, int) or bits not in BITS:
             raise ValueError(f"bits={bits!r}")
         if packed.dtype != np.uint8 or scales.dtype not in (np.float32, np.float16) or packed.shape[0] != n:
@@ -303,6 +309,30 @@ def _check_output(case: Case, y: np.ndarray) -> str | None:
                 emulated = reference.emulate(case.a, packed, scales, k, g, bias, "int8", bits).astype(np.float64)
     except Exception as e:  # noqa: BLE001 - anything the reference refuses
         return f"the op accepted attributes the reference refuses ({type(e).__name__}: {e})"
+    if gated is not None:  # both halves held to the bound above, carried through the gate
+        with np.errstate(all="ignore"):
+            full_bound = (k + 2) * U32 * abs_sum + (k + 2) * 2.0**-149 * (1.0 + float(np.abs(scales).max(initial=0)))
+            if bias is not None:
+                full_bound = full_bound + U32 * (np.abs(exact) + full_bound)
+            if compute == "int8" and case.a.size:
+                magnitude = abs_sum + (0.0 if bias is None else np.abs(np.asarray(bias, dtype=np.float64)))
+                exact, full_bound = emulated, 4 * U32 * magnitude + 1e-37
+            comparable = np.isfinite(abs_sum) & (abs_sum < FLT_MAX / 4) & np.isfinite(exact)
+            h = n // 2
+            comparable = comparable[..., :h] & comparable[..., h:]
+            bound = reference.gated_bound(exact, full_bound, gated)
+            exact = reference.gated(exact, gated)
+            comparable &= np.isfinite(exact) & np.isfinite(bound) & (np.abs(exact) < FLT_MAX / 4)
+        if y.shape != exact.shape or y.dtype != np.float32:
+            return f"output {y.dtype} {list(y.shape)}, expected float32 {list(exact.shape)}"
+        with np.errstate(all="ignore"):
+            err = np.abs(y.astype(np.float64) - exact)
+        bad = comparable & ~(err <= bound)
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            off = f"y{list(i)}={y[i]!r}, exact {exact[i]!r}, bound {bound[i]:.3g}"
+            return f"{int(bad.sum())} gated output(s) off: {off}"
+        return None
     if y.shape != exact.shape or y.dtype != np.float32:
         return f"output {y.dtype} {list(y.shape)}, expected float32 {list(exact.shape)}"
     # Where the exact products stay far inside float32's range, any summation order is within
