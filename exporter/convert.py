@@ -275,10 +275,14 @@ class NothingToConvert(ExportError):
         self.summary = summary
 
 
-def _fuse_gated(graph: onnx.GraphProto, summary: ConvertSummary) -> None:
-    """Each gated MLP of two converted (attribute-form) nodes as one gated node (exporter.gated), in place."""
+def _fuse_gated(graph: onnx.GraphProto, summary: ConvertSummary, converted: set[str]) -> None:
+    """Each gated MLP of two nodes converted here (attribute form; outputs ``converted``) as one gated node, in place.
+
+    Nodes of ours that the input already had are left as they are (their tensors may still be
+    in the input's files).
+    """
     replaced: dict[int, onnx.NodeProto | None] = {}
-    for mlp in gated.find(graph, lambda n: is_op_node(n) and len(n.input) == 1):
+    for mlp in gated.find(graph, lambda n: is_op_node(n) and len(n.input) == 1 and n.output[0] in converted):
         gate, up = (Int4Node.from_node(graph.node[i]) for i in (mlp.gate, mlp.up))
         fused = gated.fuse(gate, up, mlp, f"{gate.name}/gated")
         if fused is None:
@@ -318,6 +322,7 @@ def _convert_in_place(
     # An overridable B or scales is the caller's to feed. The nodes are the same in both graphs.
     consts = Scope(graph if initializers_of is None else initializers_of, fold_inputs=False, load=load)
     summary = ConvertSummary()
+    converted: set[str] = set()  # outputs of the nodes converted here
     readers = Counter(i for g in all_graphs(graph) for n in g.node for i in n.input if i)
     for index, node in enumerate(graph.node):
         if node.op_type != NBITS_OP or node.domain != NBITS_DOMAIN:
@@ -330,10 +335,11 @@ def _convert_in_place(
             continue
         graph.node[index].CopyFrom(new)
         summary.converted.append(done)
+        converted.add(new.output[0])
     if not summary.converted:
         raise NothingToConvert(summary)
     if fuse_gated:
-        _fuse_gated(graph, summary)
+        _fuse_gated(graph, summary, converted)
     folded: set[str] = set()
     for index, node in enumerate(graph.node):
         if node.op_type != GATHER_NBITS_OP or node.domain != NBITS_DOMAIN:

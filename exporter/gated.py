@@ -26,6 +26,7 @@ from .fold import DEFAULT_DOMAINS
 from .subgraph import subgraphs, used_names
 
 MS_DOMAIN = "com.microsoft"
+QUICK_GELU_DEFAULT_ALPHA = 1.702  # com.microsoft QuickGelu's alpha when the attribute is absent
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def find(graph: onnx.GraphProto, is_projection: Callable[[onnx.NodeProto], bool]
         first = readers.get(g, [])
         if len(first) == 1:
             n = nodes[first[0]]
-            if _is(n, "QuickGelu", (MS_DOMAIN,)) and _attr(n, "alpha", 1.0) == 1.0:
+            # QuickGelu is x * sigmoid(alpha x), alpha 1.702 when absent (ORT's schema): silu only at 1.
+            if _is(n, "QuickGelu", (MS_DOMAIN,)) and _attr(n, "alpha", QUICK_GELU_DEFAULT_ALPHA) == 1.0:
                 return "silu", (first[0],), n.output[0]
             if (_is(n, "Gelu") and _attr(n, "approximate", "none") == "tanh") or (
                 _is(n, "FastGelu", (MS_DOMAIN,)) and len([x for x in n.input if x]) == 1

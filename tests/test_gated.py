@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -12,7 +14,7 @@ from conftest import KERNEL_ENV, available_kernels, init, model_of, op_attribute
 from onnx import TensorProto, helper
 
 from cim_int4 import make_session
-from cim_int4.contract import GATED_ACTIVATIONS, OP_DOMAIN, Int4Node, is_op_node
+from cim_int4.contract import GATED_ACTIVATIONS, OP_DOMAIN, Int4Node, is_op_node, pack
 
 KERNELS = available_kernels()
 ULPS_OF_MAGNITUDE = 2.0**-22  # four float32 ulps of a dot product's magnitude
@@ -91,6 +93,27 @@ def test_nan_in_the_gate_stays_nan() -> None:
     assert np.isnan(y).all()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_overflowing_gates_follow_the_formula_on_every_path(kernel: str, monkeypatch) -> None:
+    # Gate products far below exp's range: act(g) = g / (1 + exp(-t)) is -0 (finite g) or NaN
+    # (g = -inf) on every path, as in the reference, not g / exp(clamped t).
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    q = np.concatenate([np.full((8, 32), -1), np.full((8, 32), 1)])  # gate channels -sum(a), up +sum(a)
+    packed = pack(q)
+    scales = np.ones((16, 1), np.float32)
+    rows = np.array([np.full(32, 1e18), np.full(32, 3e37), np.full(32, 1e3)], dtype=np.float32)
+    for activation in GATED_ACTIVATIONS:
+        attrs = op_attributes(quantize_weight(np.zeros((32, 16), np.float32), 32), packed=packed, scales=scales,
+                              gated=activation)  # fmt: skip
+        (y,) = make_session(op_model(attrs, [[3, 32]]), threads=1).run(None, {"A0": rows})
+        with np.errstate(over="ignore"):  # row 1's sums overflow to -inf, as the op's do
+            g = reference.emulate(rows, packed, scales, 32, 32)[:, :8]
+        want = reference.gate(g, -g, activation)
+        assert np.isinf(g[1]).all() and np.isnan(want[1]).all() and (want[0] == 0).all()
+        assert (y[0] == 0).all() and np.isnan(y[1]).all(), (activation, y[:2, :2])
+        np.testing.assert_allclose(y[2], want[2], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     ("overrides", "attribute", "message"),
     [
@@ -154,8 +177,8 @@ def mlp_model(activation: str, extra: str | None = None) -> onnx.ModelProto:
     if activation == "sigmoid":
         nodes += [helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["s", "g"], ["a"])]
     elif activation == "quickgelu":
-        alpha = 1.702 if extra == "alpha" else 1.0
-        nodes.append(helper.make_node("QuickGelu", ["g"], ["a"], domain="com.microsoft", alpha=alpha))
+        alpha = {"alpha": dict(alpha=1.702), "no alpha": {}}.get(extra, dict(alpha=1.0))  # absent: 1.702 in ORT
+        nodes.append(helper.make_node("QuickGelu", ["g"], ["a"], domain="com.microsoft", **alpha))
     elif activation == "gelu":
         opset = 20
         approximate = "none" if extra == "erf" else "tanh"
@@ -214,6 +237,7 @@ def test_export_fuses_a_gated_mlp_into_one_node(activation: str, gated: str) -> 
     [
         ("gelu", "erf"),
         ("quickgelu", "alpha"),
+        ("quickgelu", "no alpha"),
         ("sigmoid", "gate read elsewhere"),
         ("sigmoid", "other input"),
     ],
@@ -275,3 +299,38 @@ def test_matmulnbits_conversion_fuses_the_same() -> None:
     feeds = {"x": np.random.default_rng(0).standard_normal((5, K), dtype=np.float32)}
     y_fused, y_apart = run(fused, feeds), run(apart, feeds)
     np.testing.assert_allclose(y_fused, y_apart, rtol=1e-4, atol=1e-4 * np.abs(y_apart).max())
+
+
+def test_conversion_leaves_the_models_own_int4_nodes_alone() -> None:
+    # gate and up already CimInt4MatMul (a --no-fuse-gated output) beside a MatMulNBits down:
+    # the conversion fuses only what it converted, so the pair stays two nodes.
+    from cim_int4.exporter.convert import convert_with_summary
+
+    from cim_int4.bench.variants import quantize_nbits
+
+    nbits = quantize_nbits(mlp_model("sigmoid"), 4)
+    mixed, _ = convert_with_summary(nbits, fuse_gated=False)
+    down = next(i for i, n in enumerate(mixed.graph.node) if n.output[0] == "y")
+    original = next(n for n in nbits.graph.node if n.op_type == "MatMulNBits" and n.output[0] == "y")
+    mixed.graph.node[down].CopyFrom(original)
+    mixed.graph.initializer.extend(t for t in nbits.graph.initializer if t.name in original.input)
+    again, summary = convert_with_summary(mixed)
+    assert summary.gated == [] and [c.name for c in summary.converted] == [original.name]
+    assert not any(Int4Node.from_node(n).gated for n in again.graph.node if is_op_node(n))
+
+
+def test_validate_checks_a_gated_node_against_both_fp32_projections() -> None:
+    import cim_int4
+
+    fp32 = mlp_model("sigmoid")
+    q = export_int4(fp32, quiet=True)
+    report = cim_int4.compare(fp32, q, dims={"M": 3})
+    fused = next(layer for layer in report.layers if layer.output == "m")
+    assert fused.kernel_ok and fused.code_steps is not None and fused.code_steps <= 0.5 + 1e-3
+    # The up half's codes swapped for the gate's: the kernel computes what the file says, the
+    # weights no longer round the FP32 ones.
+    node = Int4Node.from_node(q.graph.node[0])
+    swapped = np.concatenate([node.packed[H:], node.packed[:H]])
+    q.graph.node[0].CopyFrom(dataclasses.replace(node, packed=swapped).to_node())
+    bad = next(layer for layer in cim_int4.compare(fp32, q, dims={"M": 3}).layers if layer.output == "m")
+    assert bad.kernel_ok and bad.code_steps > 1.5

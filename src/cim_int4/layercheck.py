@@ -27,6 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .contract import COMPUTE_CONFIG, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, OP_DOMAIN, OP_TYPE, check_compute, is_op_node
+from .exporter import gated
 from .exporter.fold import DEFAULT_DOMAINS, Scope
 from .exporter.operands import Ineligible, plan_gemm, plan_matmul
 from .metrics import cosine as cosine_of
@@ -235,6 +236,26 @@ def _fp32_operands(fp32: Model, node: onnx.NodeProto | None) -> tuple[np.ndarray
     return plan.w, plan.bias
 
 
+def _fp32_gated_operands(fp32: Model, output: str) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Weight [K, 2H] and bias of the FP32 gated MLP whose product is ``output``: gate's columns, then up's."""
+    mlp = next((m for m in gated.find(fp32.proto.graph, _is_fp32_matmul) if m.output == output), None)
+    if mlp is None:
+        return None
+    halves = [_fp32_operands(fp32, fp32.proto.graph.node[i]) for i in (mlp.gate, mlp.up)]
+    if any(h is None for h in halves) or halves[0][0].shape != halves[1][0].shape:
+        return None
+    (wg, bg), (wu, bu) = halves
+    bias = None
+    if bg is not None or bu is not None:
+        zeros = np.zeros(wg.shape[1], np.float32)
+        bias = np.concatenate([zeros if bg is None else bg, zeros if bu is None else bu])
+    return np.concatenate([wg, wu], axis=1), bias
+
+
+def _is_fp32_matmul(node: onnx.NodeProto) -> bool:
+    return node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS
+
+
 def check_layer(
     model: Model,
     node: onnx.NodeProto,
@@ -289,6 +310,8 @@ def check_layer(
         return LayerCheck(label, node.output[0], compute, math.inf, math.inf, error=f"fails to run alone: {first}")
     steps = None
     operands = _fp32_operands(fp32, fp32_node) if fp32 is not None else None
+    if operands is None and fp32 is not None and attrs.get("gated") is not None:
+        operands = _fp32_gated_operands(fp32, node.output[0])
     if operands is not None and operands[0].shape == (k, int(_attr(node, "N").i)):
         w, bias = operands
         steps = code_steps(w, arrays["packed"], arrays["scales"], k, g)

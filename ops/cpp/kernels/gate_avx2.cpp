@@ -36,7 +36,11 @@ void run(float* gate, const float* up, int64_t n) {
       const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
       t = _mm256_mul_ps(_mm256_set1_ps(1.5957691216f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
     }
-    const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), t)));
+    const __m256 minus_t = _mm256_sub_ps(_mm256_setzero_ps(), t);
+    __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(minus_t));
+    // Where exp(-t) overflows (clamped above), the denominator is inf as in gate_portable:
+    // g / inf = -0 for a finite g, NaN for g = -inf.
+    d = _mm256_blendv_ps(d, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(minus_t, _mm256_set1_ps(88.3f), _CMP_GT_OQ));
     _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(up + i)));
   }
   if (i < n) gate_portable(kind, gate + i, up + i, n - i);
