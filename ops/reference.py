@@ -94,7 +94,7 @@ def gate(g: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
         t = 2 * np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)
     else:
         raise ValueError(f"gated activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # exp overflows to inf: g / inf, NaN for infinite g
         return g / (1 + np.exp(-t)) * np.asarray(up, dtype=np.float64)
 
 
