@@ -220,3 +220,14 @@ def test_exported_folder_takes_the_scale_dtype_asked_for(scale_dtype: str | None
         if a.name == "scales"
     }
     assert dtypes == {scale_dtype or "float16"}
+
+
+@pytest.mark.parametrize("source", [FP32, INT4], ids=["exported", "converted"])
+def test_no_fuse_gated_keeps_each_projection_a_node(source: Path, tmp_path: Path) -> None:
+    # `cim-int4 genai --no-fuse-gated`: 2 layers x (qkv, o, gate, up, down) + lm_head, as before the fusion.
+    assert main(["genai", str(source), "-o", str(tmp_path / "apart"), "--no-fuse-gated", "-q"]) == 0
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "apart" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count(OP_TYPE) == 11
+    if source == INT4:  # and `cim-int4 convert --no-fuse-gated` on the builder's int4 file
+        assert main(["convert", str(INT4 / "model.onnx"), "-o", str(tmp_path / "c.onnx"), "--no-fuse-gated", "-q"]) == 0
+        assert [n.op_type for n in onnx.load(str(tmp_path / "c.onnx")).graph.node].count(OP_TYPE) == 11

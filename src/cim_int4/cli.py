@@ -35,6 +35,18 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
     return ExportOptions(**keep)
 
 
+def _add_no_fuse_gated(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-fuse-gated",
+        dest="fuse_gated",
+        action="store_const",
+        const=False,
+        default=None,
+        help="keep each gated MLP's gate and up projections, activation and product as separate nodes; by default "
+        "they become one gated CimInt4MatMul (docs/contract.md, 'Gated MLPs')",
+    )
+
+
 def _export(args: argparse.Namespace) -> int:
     export_int4(args.model, args.output, export_options(args), quiet=args.quiet)
     return 0
@@ -64,6 +76,7 @@ def _genai(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         keep_embedding=args.keep_embedding,
         scale_dtype=args.scale_dtype,
+        fuse_gated=args.fuse_gated is not False,
     )
     return 0
 
@@ -265,15 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the token embedding (a Gather on a constant table) in FP32; by default it becomes int4 and "
         "a tied LM head shares its int4 tensors (docs/embeddings.md)",
     )
-    p.add_argument(
-        "--no-fuse-gated",
-        dest="fuse_gated",
-        action="store_const",
-        const=False,
-        default=None,
-        help="keep each gated MLP's gate and up projections, activation and product as separate nodes; by default "
-        "they become one gated CimInt4MatMul (docs/contract.md, 'Gated MLPs')",
-    )
+    _add_no_fuse_gated(p)
     _add_widths(p)
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success (no summary, no progress bar)")
@@ -286,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="ONNX file with com.microsoft MatMulNBits nodes (read, never modified)")
     p.add_argument("-o", "--output", required=True, help="where to write the converted model (not the input file)")
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto", help=compute_help)
+    _add_no_fuse_gated(p)
     _add_external_data(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_convert)
@@ -310,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SCALE_DTYPE,
         help=f"when exported: stored type of the group scales (default {DEFAULT_SCALE_DTYPE})",
     )
+    _add_no_fuse_gated(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=_genai)
 

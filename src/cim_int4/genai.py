@@ -62,11 +62,14 @@ def copy_folder(src: Path, dst: Path, skip: set[Path]) -> None:
 
 
 def _rewrite(
-    path: Path, output: Path, compute: str, group_size: int, keep_embedding: bool, scale_dtype: str
+    path: Path, output: Path, compute: str, group_size: int, keep_embedding: bool, scale_dtype: str,
+    fuse_gated: bool = True,
 ) -> tuple[bool, str]:
     """Write the model at ``path`` with CimInt4MatMul nodes to ``output``; (False if nothing to do, what was done)."""
     try:
-        return True, convert_file(path, output, compute=compute, quiet=True, external_data=True).format()
+        return True, convert_file(
+            path, output, compute=compute, quiet=True, external_data=True, fuse_gated=fuse_gated
+        ).format()
     except NothingToConvert as e:
         if e.summary.skipped:  # MatMulNBits nodes, none convertible: not an FP32 model either
             return False, str(e)
@@ -75,7 +78,8 @@ def _rewrite(
         # "auto" (take the mode from each MatMulNBits' accuracy_level) has nothing to read here.
         mode = EXPORT_COMPUTE if compute == "auto" else compute
         quantized, summary = export_with_summary(
-            model, group_size=group_size, keep_embedding=keep_embedding, compute=mode, scale_dtype=scale_dtype
+            model, group_size=group_size, keep_embedding=keep_embedding, compute=mode, scale_dtype=scale_dtype,
+            fuse_gated=fuse_gated,
         )
     except NothingToQuantize as e:
         return False, str(e)
@@ -103,12 +107,14 @@ def prepare(
     quiet: bool = False,
     keep_embedding: bool = False,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    fuse_gated: bool = True,
 ) -> Path:
     """Write a copy of the genai model folder ``source`` that runs CimInt4MatMul; return the new folder.
 
     Each ONNX model the config names is converted (MatMulNBits, see ``from_matmulnbits``;
     ``compute`` as there) or else exported from FP32 (``export_int4``, ``group_size``,
-    ``keep_embedding``, ``scale_dtype`` and ``compute``, "auto" meaning EXPORT_COMPUTE). The
+    ``keep_embedding``, ``scale_dtype`` and ``compute``, "auto" meaning EXPORT_COMPUTE); either
+    way each gated MLP becomes one node unless ``fuse_gated=False``. The
     op library is copied into the folder and named in each changed model's session options.
     ``output`` (default ``<source>-cim-int4``) must not exist; ``source`` is only read.
     """
@@ -138,7 +144,9 @@ def prepare(
             if not model_path.is_file():
                 raise ExportError(f"{model_path}: named by {CONFIG_NAME} model.{name}.filename but missing")
             (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
-            rewritten, report = _rewrite(model_path, tmp / filename, compute, group_size, keep_embedding, scale_dtype)
+            rewritten, report = _rewrite(
+                model_path, tmp / filename, compute, group_size, keep_embedding, scale_dtype, fuse_gated
+            )
             reports.append(f"{filename} (model.{name}):\n{report}")
             if not rewritten:
                 continue
