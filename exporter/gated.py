@@ -132,6 +132,19 @@ def find(graph: onnx.GraphProto, is_projection: Callable[[onnx.NodeProto], bool]
     return found
 
 
+def is_matmul(node: onnx.NodeProto) -> bool:
+    """A plain ONNX MatMul: the projections ``find`` looks for in an FP32 graph."""
+    return node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS
+
+
+def stacked_bias(gate: np.ndarray | None, up: np.ndarray | None, n: int) -> np.ndarray | None:
+    """The gated node's bias [2n]: the gate's then the up projection's (zeros for a missing one); None if neither."""
+    if gate is None and up is None:
+        return None
+    zeros = np.zeros(n, np.float32)
+    return np.concatenate([zeros if gate is None else gate, zeros if up is None else up])
+
+
 def forget_shapes(graph: onnx.GraphProto, mlp: GatedMLP) -> None:
     """Drop the value_info of the tensors the fused node no longer makes (before its nodes leave ``graph``)."""
     gone = {o for i in mlp.dropped for o in graph.node[i].output}
@@ -158,10 +171,7 @@ def fuse(gate: Int4Node, up: Int4Node, mlp: GatedMLP, name: str) -> Int4Node | N
     )
     if not same:
         return None
-    bias = None
-    if gate.bias is not None or up.bias is not None:
-        zeros = np.zeros(gate.n, np.float32)
-        bias = np.concatenate([zeros if gate.bias is None else gate.bias, zeros if up.bias is None else up.bias])
+    bias = stacked_bias(gate.bias, up.bias, gate.n)
     return replace(
         gate,
         name=name,

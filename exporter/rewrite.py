@@ -159,7 +159,7 @@ class Rewriter:
         if gathers and self.quantized:
             self.give_tied_heads(graph, scope, path)
         # Gated MLPs: each projection is held until its partner is made, then both become one node.
-        mlps = gated.find(graph, _is_matmul) if self.fuse_gated else []
+        mlps = gated.find(graph, gated.is_matmul) if self.fuse_gated else []
         roles = {i: m for m in mlps for i in (m.gate, m.up)}
         halves: dict[int, Int4Node] = {}
         for index, node in enumerate(graph.node):
@@ -418,10 +418,6 @@ class Rewriter:
             base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, o.node_compute,
             bits=qw.bits,
         )
-
-
-def _is_matmul(node: onnx.NodeProto) -> bool:
-    return node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS
 
 
 def _direct(plan: Plan) -> bool:

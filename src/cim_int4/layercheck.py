@@ -238,22 +238,14 @@ def _fp32_operands(fp32: Model, node: onnx.NodeProto | None) -> tuple[np.ndarray
 
 def _fp32_gated_operands(fp32: Model, output: str) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Weight [K, 2H] and bias of the FP32 gated MLP whose product is ``output``: gate's columns, then up's."""
-    mlp = next((m for m in gated.find(fp32.proto.graph, _is_fp32_matmul) if m.output == output), None)
+    mlp = next((m for m in gated.find(fp32.proto.graph, gated.is_matmul) if m.output == output), None)
     if mlp is None:
         return None
     halves = [_fp32_operands(fp32, fp32.proto.graph.node[i]) for i in (mlp.gate, mlp.up)]
     if any(h is None for h in halves) or halves[0][0].shape != halves[1][0].shape:
         return None
     (wg, bg), (wu, bu) = halves
-    bias = None
-    if bg is not None or bu is not None:
-        zeros = np.zeros(wg.shape[1], np.float32)
-        bias = np.concatenate([zeros if bg is None else bg, zeros if bu is None else bu])
-    return np.concatenate([wg, wu], axis=1), bias
-
-
-def _is_fp32_matmul(node: onnx.NodeProto) -> bool:
-    return node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS
+    return np.concatenate([wg, wu], axis=1), gated.stacked_bias(bg, bu, wg.shape[1])
 
 
 def check_layer(
