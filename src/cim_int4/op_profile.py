@@ -11,8 +11,20 @@ embedding are a large share of the bytes:
 - ``embedding``: a Gather on a constant table, GatherBlockQuantized or CimInt4Gather;
 - every other node by its operator type (the layers' MatMuls under their op's name).
 
-The profiler's per-node times exclude ORT's scheduling between nodes; ``step`` (the whole
-``run``) includes it, and the difference is reported as ``other (between nodes)``.
+The profiler's per-node times exclude ORT's scheduling between nodes; the profiled ``run``
+includes it, and the difference is reported as ``other (between nodes)``.
+
+The profiler is not free, and on a decode step of a small LLM (about 200 nodes of a few
+microseconds each) its cost is a large share: it adds several microseconds to each node's
+recorded kernel time (one SkipSimplifiedLayerNormalization of 576 floats: 1.4 us per node
+unprofiled, 4-6 us as recorded) and more between nodes (SmolLM2-135M on a Zen 3: 11.0 ms per step
+unprofiled, 13.3 ms profiled at 1 thread; 6.7 vs 9.6 ms at 2). So the report also times the step
+without the profiler (``step_us``: a second session, the same feeds bound once with IOBinding, as a
+C++ caller runs it), measures what the profiler records for a node that does nothing
+(``node_cost_us``: a chain of one-float Adds, on this machine, before the run), and gives each row
+less that cost per node (``rows_less_profiler``): an estimate, since the profiler also slows the
+nodes' own work; read the rows of many tiny nodes with that in mind. ``rows`` and their shares are
+the profiler's figures, which add up to ``profiled_step_us``.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,23 +58,31 @@ class Breakdown:
     past: int
     steps: int
     threads: int | None
-    step_us: float
-    rows: dict[str, float] = field(default_factory=dict)  # row -> µs per step (mean over steps)
+    step_us: float  # median step without the profiler
+    rows: dict[str, float] = field(default_factory=dict)  # row -> µs per step as profiled (mean over steps)
     nodes: dict[str, int] = field(default_factory=dict)  # row -> nodes in it
+    profiled_step_us: float = 0.0  # median step under the profiler
+    node_cost_us: float = 0.0  # what the profiler records for a node that does nothing
+    rows_less_profiler: dict[str, float] = field(default_factory=dict)  # rows less node_cost_us per node
 
     def to_json(self) -> dict:
         return {"source": self.source, "past": self.past, "steps": self.steps, "threads": self.threads,
-                "step_us": self.step_us, "rows": self.rows, "nodes": self.nodes}  # fmt: skip
+                "step_us": self.step_us, "rows": self.rows, "nodes": self.nodes,
+                "profiled_step_us": self.profiled_step_us, "node_cost_us": self.node_cost_us,
+                "rows_less_profiler": self.rows_less_profiler}  # fmt: skip
 
     def format(self) -> str:
         lines = [
-            f"{self.source}: one decode step after {self.past} cached tokens, {self.steps} steps, "
-            f"threads {self.threads or 'ORT default'}: {self.step_us:.0f} us per step (median)",
-            f"  {'row':<28} {'nodes':>5} {'us/step':>9} {'share':>6}",
+            f"{self.source}: one decode step after {self.past} cached tokens, threads {self.threads or 'ORT default'}: "
+            f"{self.step_us:.0f} us unprofiled, {self.profiled_step_us:.0f} us under ORT's profiler (medians)",
+            f"  rows: {self.steps} profiled steps; the profiler records {self.node_cost_us:.1f} us for a node that "
+            "does nothing, taken out of each node in the last column (an estimate)",
+            f"  {'row':<32} {'nodes':>5} {'us/step':>9} {'share':>6} {'less profiler':>13}",
         ]
         for row, us in sorted(self.rows.items(), key=lambda kv: -kv[1]):
-            share = us / self.step_us if self.step_us > 0 else 0.0
-            lines.append(f"  {row:<28} {self.nodes.get(row, 0):>5} {us:>9.1f} {share:>6.1%}")
+            share = us / self.profiled_step_us if self.profiled_step_us > 0 else 0.0
+            less = f"{self.rows_less_profiler[row]:>13.1f}" if row in self.rows_less_profiler else ""
+            lines.append(f"  {row:<32} {self.nodes.get(row, 0):>5} {us:>9.1f} {share:>6.1%} {less}".rstrip())
         return "\n".join(lines)
 
 
@@ -89,6 +110,8 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
     if past < 0 or steps < 1:
         raise PerplexityError(f"op-profile: need past >= 0 and steps >= 1, got past={past}, steps={steps}")
     with tempfile.TemporaryDirectory(prefix="cim-int4-profile-") as work:
+        node_cost = profiler_node_cost(threads, os.path.join(work, "noop"))
+        plain = open_model(source, threads=threads)
         model = open_model(source, threads=threads, profile_prefix=os.path.join(work, "ort"))
         if model.context is not None and past + 1 > model.context:
             raise PerplexityError(f"op-profile: --past {past} + 1 exceeds the model's context ({model.context})")
@@ -96,7 +119,9 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
         for _ in range(steps + 1):  # the first is a warm-up, left out below
             model.session.run(None, feeds)
         trace = json.loads(Path(model.session.end_profiling()).read_text())
-    roles = node_roles(model.path)
+        del model
+        step_us = unprofiled_step_us(plain.session, feeds, max(steps, UNPROFILED_STEPS))
+    roles = node_roles(plain.path)
     runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
                   key=lambda e: e["ts"])[1:]  # fmt: skip
     if len(runs) != steps:
@@ -112,10 +137,59 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
         row = roles.get(node, e.get("args", {}).get("op_name", "?"))
         totals[row] += e["dur"]
         nodes[row].add(node)
-    step_us = statistics.median(e["dur"] for e in runs)
     rows = {row: us / steps for row, us in totals.items()}
+    less = {row: max(0.0, us - len(nodes[row]) * node_cost) for row, us in rows.items()}
     rows[BETWEEN] = max(0.0, statistics.mean(e["dur"] for e in runs) - sum(rows.values()))
-    return Breakdown(str(source), past, steps, threads, step_us, rows, {r: len(n) for r, n in nodes.items()})
+    profiled = statistics.median(e["dur"] for e in runs)
+    return Breakdown(str(source), past, steps, threads, step_us, rows, {r: len(n) for r, n in nodes.items()},
+                     profiled, node_cost, less)
+
+
+UNPROFILED_STEPS = 16  # at least this many timed steps without the profiler
+NOOP_NODES = 64
+
+
+def unprofiled_step_us(session, feeds: dict, steps: int) -> float:
+    """Median wall time (µs) of ``steps`` runs of ``session`` on ``feeds``, bound once (no per-run copies)."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    for out in session.get_outputs():
+        binding.bind_output(out.name)
+    session.run_with_iobinding(binding)  # warm-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        session.run_with_iobinding(binding)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def profiler_node_cost(threads: int | None, prefix: str) -> float:
+    """Mean kernel time (µs) ORT's profiler records for a node that does nothing: a chain of one-float Adds."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Add", [f"x{i}", "one"], [f"x{i + 1}"]) for i in range(NOOP_NODES)]
+    graph = helper.make_graph(
+        nodes, "noop", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info(f"x{NOOP_NODES}", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.ones(1, np.float32), "one")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every Add
+    so.enable_profiling = True
+    so.profile_file_prefix = prefix
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = np.zeros(1, np.float32)
+    for _ in range(UNPROFILED_STEPS):
+        session.run(None, {"x0": x})
+    trace = json.loads(Path(session.end_profiling()).read_text())
+    times = [e["dur"] for e in trace if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    return statistics.mean(times) if times else 0.0
 
 
 def add_arguments(p) -> None:
