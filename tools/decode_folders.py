@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from pathlib import Path
 
 import numpy as np
 
+from cim_int4.bench.machine import cpu_model
 from cim_int4.genai_bench import greedy, load
 
 KV_CAPACITY = 512
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -41,7 +34,7 @@ def main() -> None:
     folders = dict(item.split("=", 1) for item in args.folders)
     vocab = json.loads((Path(next(iter(folders.values()))) / "genai_config.json").read_text())["model"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(3, min(vocab, 30000), 16).tolist()
-    report: dict = {"cpu": cpu_name(), "steps": args.steps, "rounds": args.rounds, "threads": {}}
+    report: dict = {"cpu": cpu_model(), "steps": args.steps, "rounds": args.rounds, "threads": {}}
     base = next(iter(folders))
     for t in args.threads:
         models = {label: load(path, t) for label, path in folders.items()}

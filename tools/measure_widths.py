@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from cim_int4.bench.machine import cpu_model
 from cim_int4.bench.probe import BandwidthProbe
 from cim_int4.bench.runner import bench_session
 from cim_int4.bench.timing import interleaved
@@ -81,17 +81,6 @@ def nbits_chain(bits: int, dim: int, layers: int, seed: int = 0) -> onnx.ModelPr
 def stream_bytes(bits: int, scale_bytes: int, dim: int, layers: int) -> int:
     """Bytes one call reads: codes plus one scale per group (our stream; MatMulNBits' blob and scales alike)."""
     return layers * dim * dim * (bits * GROUP // 8 + scale_bytes) // GROUP
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def paired_ratio(baseline: list[float], times: list[float]) -> float:
@@ -179,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bits in args.bits:
         rows += measure_width(bits, args, probe)
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}; "
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"chain {args.layers} x {args.dim}^2, group {GROUP}, {args.rounds} interleaved rounds at M = 1 "
           f"({args.prefill_rounds} at M > 1), medians")
     print(markdown(rows))

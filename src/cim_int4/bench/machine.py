@@ -25,7 +25,8 @@ BUSY_CPUS = 0.1
 MIN_LOAD_WINDOW_S = 1.0
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for every reported figure."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -76,7 +77,7 @@ def machine_meta(suite: Suite, probe: BandwidthProbe, cold: bool, threads: Seque
     return {
         "suite": suite.name,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "logical_cpus": sum(len(core) for core in physical_cores()),  # not this thread's affinity: sessions pin it
         "physical_cores": len(physical_cores()),
         "llc_bytes": last_level_cache_bytes() or 0,

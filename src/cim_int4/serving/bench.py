@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from ..bench.machine import LoadMeter, _cpu_model
+from ..bench.machine import LoadMeter, cpu_model
 from ..exporter import export_with_summary, save_model
 from ..graphs import LlamaConfig, llama_decoder, model_feeds
 from .load import Point, cpu_independence, direct_point, median_point, npz_body, serve_point
@@ -106,7 +106,7 @@ def bench_serve(o: BenchOptions, progress=print) -> dict:  # noqa: ANN001
             stop()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "model": name,
         "options": asdict(o),
         "other_load_cpus": meter.other_cpus(),

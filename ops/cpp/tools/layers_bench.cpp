@@ -1,0 +1,193 @@
+// Decode (M = 1, int8 mode, group 32, float16 scales) of a real decoder's weight layers, kernel only:
+// every variant of the avx2 table against a plain read of the same buffers in the same order, on 1
+// or 2 threads, cold (256 MiB written before each pass), fastest of 9 passes. It tells whether a
+// decode step's MatMuls stream at the memory wall on this CPU, apart from what ORT adds per node
+// (docs/real-llm.md, "Where a 2-thread step goes"). Two threads split each layer as the op does
+// (halves of its 4-tile strips), the second thread spinning between layers. Build against the
+// library's kernel objects:
+//
+//   g++ -O2 -std=c++17 -mavx2 -pthread -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
+//       ops/cpp/tools/layers_bench.cpp <build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o layers_bench
+//   ./layers_bench THREADS REPEAT "KxN ..." ["KxN ..."]
+//
+// The first list of layers runs REPEAT times, then the second once. SmolLM2-135M with gated MLPs
+// fused (gate and up as two 576x1536 streams) and its LM head:
+//   ./layers_bench 2 30 "576x960 576x576 576x1536 576x1536 1536x576" "576x49152"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/kernel.h"
+#include "kernels/repack.h"
+
+using namespace cim;
+
+namespace {
+
+std::vector<char> evict_buffer(size_t(256) << 20);
+
+void evict() {
+  for (size_t i = 0; i < evict_buffer.size(); i += 64) evict_buffer[i] = static_cast<char>(evict_buffer[i] + 1);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Shape {
+  int64_t K, N;
+};
+
+bool parse(const char* text, std::vector<Shape>& out) {
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    Shape s{};
+    if (std::sscanf(word.c_str(), "%ldx%ld", &s.K, &s.N) != 2 || s.K < 32 || s.N < 1 || s.K % 32) return false;
+    out.push_back(s);
+  }
+  return true;
+}
+
+// The second thread's share of the layer being run: it spins until `go` moves, runs, bumps `done`.
+struct Helper {
+  const MatMulArgs* args = nullptr;
+  MatMulFn fn = nullptr;
+  int64_t begin = 0, end = 0;
+  std::atomic<int> go{0}, done{0};
+  std::atomic<bool> stop{false};
+  void loop() {
+    for (int seen = 0; !stop.load(std::memory_order_relaxed);) {
+      if (go.load(std::memory_order_acquire) == seen) continue;
+      ++seen;
+      fn(*args, begin, end);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Sum of the bytes of [from, to) of each buffer, 32 at a time: the read the kernels are held against.
+uint64_t read_part(const std::vector<std::unique_ptr<PackedStorage>>& layers, int part, int parts) {
+  __m256i acc = _mm256_setzero_si256();
+  for (const auto& st : layers) {
+    const auto* p = reinterpret_cast<const __m256i*>(st->weights().stream);
+    const int64_t n = st->bytes() / 32;
+    for (int64_t i = n * part / parts; i < n * (part + 1) / parts; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
+  }
+  return static_cast<uint64_t>(_mm256_extract_epi64(acc, 0));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Shape> block, tail;
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 0;
+  const int repeat = argc > 2 ? std::atoi(argv[2]) : 0;
+  if (argc < 4 || (threads != 1 && threads != 2) || repeat < 1 || !parse(argv[3], block) ||
+      (argc > 4 && !parse(argv[4], tail))) {
+    std::fprintf(stderr, "usage: layers_bench THREADS(1|2) REPEAT \"KxN ...\" [\"KxN ...\"] (K a multiple of 32)\n");
+    return 2;
+  }
+  const char* available = nullptr;
+  const KernelTable* table = select_kernels("avx2", &available);
+  if (table == nullptr) {
+    std::fprintf(stderr, "this CPU does not run the avx2 table (available: %s)\n", available);
+    return 1;
+  }
+  std::vector<Shape> shapes;
+  for (int r = 0; r < repeat; ++r) shapes.insert(shapes.end(), block.begin(), block.end());
+  shapes.insert(shapes.end(), tail.begin(), tail.end());
+  std::mt19937 rng(1);
+  std::vector<std::unique_ptr<PackedStorage>> layers;
+  double bytes = 0;
+  int64_t max_k = 0, max_n = 0;
+  for (const Shape& s : shapes) {
+    std::vector<uint8_t> packed(static_cast<size_t>(s.N * s.K / 2));
+    for (auto& b : packed) b = static_cast<uint8_t>(rng());
+    std::vector<uint16_t> scales(static_cast<size_t>(s.N * s.K / 32));
+    for (auto& x : scales) x = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
+    layers.emplace_back(new PackedStorage);
+    const std::string problem = layers.back()->build(s.K, s.N, 32, 4, packed.data(), scales.data(), true, nullptr);
+    if (!problem.empty()) {
+      std::fprintf(stderr, "%s\n", problem.c_str());
+      return 1;
+    }
+    bytes += static_cast<double>(layers.back()->bytes());
+    max_k = std::max(max_k, s.K);
+    max_n = std::max(max_n, s.N);
+  }
+  std::vector<float> A(static_cast<size_t>(max_k)), Y(static_cast<size_t>(max_n));
+  for (auto& a : A) a = std::uniform_real_distribution<float>(-1, 1)(rng);
+  std::vector<int8_t> q(static_cast<size_t>(max_k));
+  std::vector<float> qs(static_cast<size_t>(max_k / 32));
+  std::vector<int32_t> qz(static_cast<size_t>(max_k / 32));
+
+  uint64_t sink = 0;
+  double read = 1e9;
+  for (int r = 0; r < 9; ++r) {
+    evict();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (threads == 2) {
+      uint64_t other = 0;
+      std::thread t([&] { other = read_part(layers, 1, 2); });
+      sink += read_part(layers, 0, 2);
+      t.join();
+      sink += other;
+    } else {
+      sink += read_part(layers, 0, 1);
+    }
+    read = std::min(read, seconds_since(t0));
+  }
+  std::printf("%zu layers, %.1f MB, %d thread(s); read %.2f ms (%.1f GB/s)\n", layers.size(), bytes / 1e6, threads,
+              read * 1e3, bytes / read / 1e9);
+
+  Helper helper;
+  std::thread second;
+  if (threads == 2) second = std::thread([&] { helper.loop(); });
+  for (int v = 0; v < table->variant_count; ++v) {
+    const KernelVariant& variant = table->variants[v];
+    double best = 1e9;
+    for (int r = 0; r < 9; ++r) {
+      evict();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const auto& st : layers) {
+        const PackedWeights& w = st->weights();
+        table->quantize_a(A.data(), 1, w.K, w.K, 32, q.data(), qs.data(), qz.data());
+        QuantizedA qa{q.data(), qs.data(), qz.data()};
+        MatMulArgs args{A.data(), 1, w.K, Y.data(), w.N, &w, &qa};
+        if (threads == 1) {
+          variant.matmul[kInt8](args, 0, w.tiles);
+          continue;
+        }
+        const int64_t strips = (w.tiles + kStripTiles - 1) / kStripTiles;
+        const int64_t half = std::min(w.tiles, (strips + 1) / 2 * kStripTiles);
+        helper.args = &args;
+        helper.fn = variant.matmul[kInt8];
+        helper.begin = half;
+        helper.end = w.tiles;
+        const int target = helper.done.load(std::memory_order_relaxed) + 1;
+        helper.go.fetch_add(1, std::memory_order_release);
+        variant.matmul[kInt8](args, 0, half);
+        while (helper.done.load(std::memory_order_acquire) != target) {
+        }
+      }
+      best = std::min(best, seconds_since(t0));
+    }
+    std::printf("  %-16s %.2f ms (%.1f GB/s, %.0f%% of the read)%s\n", variant.name, best * 1e3, bytes / best / 1e9,
+                100 * read / best, v == table->defaults[kInt8] ? "  <- default" : "");
+  }
+  helper.stop = true;
+  if (second.joinable()) second.join();
+  return sink == 1 ? 3 : 0;
+}

@@ -1,0 +1,69 @@
+"""One decode step of several causal LMs under plain ORT, interleaved: per-model medians and paired ratios.
+
+    python tools/step_ab.py [--threads 1 2] [--rounds 30] [--past 32] LABEL=SOURCE ...
+
+SOURCE is an ONNX causal LM or a genai folder (``cim_int4.perplexity.open_model``). Each model's
+feeds (one token after ``past`` cached tokens) are bound once with IOBinding, as a C++ caller runs
+them, so no numpy copies are timed. Per round each model runs a block of 10 steps (the block's
+median kept), after a 20 ms pause so the previous session's pool threads stop spinning: sessions
+alternated step by step steal each other's second core on a 2-vCPU guest. Reports each model's
+median over rounds and the median over rounds of the first model's block time over this one's (a
+speed ratio; the figure to trust on a shared host), with the CPU's model name. No profiler: it
+adds several microseconds per node (``cim_int4.op_profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from cim_int4.bench.machine import cpu_model
+from cim_int4.perplexity import open_model
+
+BLOCK = 10
+PAUSE_S = 0.02
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", help="LABEL=SOURCE; the first is the ratios' base")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--past", type=int, default=32)
+    args = parser.parse_args()
+    labels, sources = zip(*(m.split("=", 1) for m in args.models), strict=True)
+    for threads in args.threads:
+        models = [open_model(s, threads=threads) for s in sources]
+        bindings = []
+        for model in models:
+            binding = model.session.io_binding()
+            for name, value in model.feeds_for(np.array([1], dtype=np.int64), args.past).items():
+                binding.bind_cpu_input(name, value)
+            for out in model.session.get_outputs():
+                binding.bind_output(out.name)
+            for _ in range(5):
+                model.session.run_with_iobinding(binding)
+            bindings.append(binding)
+        times: list[list[float]] = [[] for _ in models]
+        for r in range(args.rounds):
+            for i in range(len(models)) if r % 2 else reversed(range(len(models))):
+                time.sleep(PAUSE_S)
+                block = []
+                for _ in range(BLOCK):
+                    start = time.perf_counter()
+                    models[i].session.run_with_iobinding(bindings[i])
+                    block.append(time.perf_counter() - start)
+                times[i].append(statistics.median(block))
+        for label, t in zip(labels, times, strict=True):
+            ratio = statistics.median(a / b for a, b in zip(times[0], t, strict=True))
+            print(f"{threads} thread(s)  {label:<16} {statistics.median(t) * 1e3:7.2f} ms per step  "
+                  f"x{ratio:.3f} {labels[0]}")  # fmt: skip
+        del models, bindings
+    print(f"CPU: {cpu_model()}")
+
+
+if __name__ == "__main__":
+    main()
