@@ -47,10 +47,11 @@ def test_fp32_and_cim_int4_decoders_are_broken_down_by_role(tmp_path: Path) -> N
     assert fp32.nodes[LM_HEAD] == 1 and fp32.nodes[EMBEDDING] == 1 and fp32.nodes["MatMul"] > 0
     assert all(us >= 0 for us in fp32.rows.values()) and fp32.rows[LM_HEAD] > 0
     assert fp32.step_us > 0 and BETWEEN in fp32.rows
-    # The profiler's own cost per node is measured and taken out of the rows, never below zero.
-    assert fp32.profiled_step_us > 0 and fp32.node_cost_us >= 0
-    assert all(0 <= fp32.rows_less_profiler[r] <= fp32.rows[r] for r in fp32.rows_less_profiler)
+    assert fp32.unprofiled_step_us > 0
+    # Every row but the time between nodes also less the profiler's measured cost of each of its nodes.
     assert set(fp32.rows_less_profiler) == set(fp32.rows) - {BETWEEN}
+    for row, less in fp32.rows_less_profiler.items():
+        assert less == pytest.approx(max(0.0, fp32.rows[row] - fp32.nodes[row] * fp32.node_cost_us))
     cim = breakdown(prepare(FP32, tmp_path / "cim", quiet=True), past=16, steps=3, threads=1)
     # every layer MatMul converted (the head aside), each of the 2 layers' gate and up as one gated node
     assert cim.nodes["CimInt4MatMul"] == fp32.nodes["MatMul"] - 2
@@ -59,12 +60,23 @@ def test_fp32_and_cim_int4_decoders_are_broken_down_by_role(tmp_path: Path) -> N
     assert "CimInt4MatMul" in cim.format() and LM_HEAD in cim.format()
 
 
+@pytest.mark.parametrize(("cost", "kept"), [(0.0, True), (1e9, False)])
+def test_rows_less_the_profiler_take_out_its_cost_per_node(cost: float, kept: bool, monkeypatch) -> None:
+    import cim_int4.op_profile as op_profile
+
+    monkeypatch.setattr(op_profile, "profiler_node_cost", lambda threads, prefix: cost)
+    report = breakdown(FP32, past=4, steps=2, threads=1)
+    assert report.node_cost_us == cost
+    for row, less in report.rows_less_profiler.items():
+        assert less == (report.rows[row] if kept else 0.0)
+
+
 def test_cli_writes_json_and_never_overwrites_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "ops.json"
     assert main(["op-profile", str(FP32), "--past", "4", "--steps", "2", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["past"] == 4 and row["steps"] == 2 and row["rows"][LM_HEAD] > 0
-    assert row["step_us"] > 0 and row["profiled_step_us"] > 0 and LM_HEAD in row["rows_less_profiler"]
+    assert row["step_us"] > 0 and row["unprofiled_step_us"] > 0 and LM_HEAD in row["rows_less_profiler"]
     before = out.read_text()
     assert main(["op-profile", str(FP32), "--steps", "2", "--json", str(out)]) == 1
     assert "exists" in capsys.readouterr().err and out.read_text() == before

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from cim_int4.bench.machine import cpu_model
-from cim_int4.perplexity import open_model
+from cim_int4.perplexity import PerplexityError, open_model
 
 BLOCK = 10
 PAUSE_S = 0.02
@@ -34,9 +34,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--past", type=int, default=32)
     args = parser.parse_args()
+    if bad := [m for m in args.models if "=" not in m or m.startswith("=") or m.endswith("=")]:
+        parser.error(f"expected LABEL=SOURCE, got {bad[0]!r}")
+    if args.rounds < 1 or args.past < 0 or min(args.threads) < 1:
+        parser.error("need --rounds >= 1, --past >= 0 and --threads >= 1")
     labels, sources = zip(*(m.split("=", 1) for m in args.models), strict=True)
     for threads in args.threads:
-        models = [open_model(s, threads=threads) for s in sources]
+        try:
+            models = [open_model(s, threads=threads) for s in sources]
+        except PerplexityError as e:
+            parser.exit(2, f"step_ab: {e}\n")
         bindings = []
         for model in models:
             binding = model.session.io_binding()
@@ -60,8 +67,8 @@ def main() -> None:
         for label, t in zip(labels, times, strict=True):
             ratio = statistics.median(a / b for a, b in zip(times[0], t, strict=True))
             print(f"{threads} thread(s)  {label:<16} {statistics.median(t) * 1e3:7.2f} ms per step  "
-                  f"x{ratio:.3f} {labels[0]}")  # fmt: skip
-        del models, bindings
+                  f"{ratio:.3f}x as fast as {labels[0]}")  # fmt: skip
+        del models, bindings, model, binding
     print(f"CPU: {cpu_model()}")
 
 

@@ -19,12 +19,13 @@ microseconds each) its cost is a large share: it adds several microseconds to ea
 recorded kernel time (one SkipSimplifiedLayerNormalization of 576 floats: 1.4 us per node
 unprofiled, 4-6 us as recorded) and more between nodes (SmolLM2-135M on a Zen 3: 11.0 ms per step
 unprofiled, 13.3 ms profiled at 1 thread; 6.7 vs 9.6 ms at 2). So the report also times the step
-without the profiler (``step_us``: a second session, the same feeds bound once with IOBinding, as a
-C++ caller runs it), measures what the profiler records for a node that does nothing
-(``node_cost_us``: a chain of one-float Adds, on this machine, before the run), and gives each row
+without the profiler (``unprofiled_step_us``: a second session, the same feeds bound once with
+IOBinding, as a C++ caller runs it), measures what the profiler records for a node that does nothing
+(``node_cost_us``: a chain of one-float Adds, on this machine, after the run), and gives each row
 less that cost per node (``rows_less_profiler``): an estimate, since the profiler also slows the
-nodes' own work; read the rows of many tiny nodes with that in mind. ``rows`` and their shares are
-the profiler's figures, which add up to ``profiled_step_us``.
+nodes' own work; read the rows of many tiny nodes with that in mind. ``rows`` (with ``other
+(between nodes)``) add up to the profiled runs' mean; ``step_us`` is their median and
+``unprofiled_step_us`` the step without the profiler.
 """
 
 from __future__ import annotations
@@ -58,29 +59,30 @@ class Breakdown:
     past: int
     steps: int
     threads: int | None
-    step_us: float  # median step without the profiler
+    step_us: float  # median step under the profiler
     rows: dict[str, float] = field(default_factory=dict)  # row -> µs per step as profiled (mean over steps)
     nodes: dict[str, int] = field(default_factory=dict)  # row -> nodes in it
-    profiled_step_us: float = 0.0  # median step under the profiler
+    unprofiled_step_us: float = 0.0  # median step without the profiler
     node_cost_us: float = 0.0  # what the profiler records for a node that does nothing
     rows_less_profiler: dict[str, float] = field(default_factory=dict)  # rows less node_cost_us per node
 
     def to_json(self) -> dict:
         return {"source": self.source, "past": self.past, "steps": self.steps, "threads": self.threads,
                 "step_us": self.step_us, "rows": self.rows, "nodes": self.nodes,
-                "profiled_step_us": self.profiled_step_us, "node_cost_us": self.node_cost_us,
+                "unprofiled_step_us": self.unprofiled_step_us, "node_cost_us": self.node_cost_us,
                 "rows_less_profiler": self.rows_less_profiler}  # fmt: skip
 
     def format(self) -> str:
+        total = sum(self.rows.values())  # the profiled runs' mean
         lines = [
             f"{self.source}: one decode step after {self.past} cached tokens, threads {self.threads or 'ORT default'}: "
-            f"{self.step_us:.0f} us unprofiled, {self.profiled_step_us:.0f} us under ORT's profiler (medians)",
-            f"  rows: {self.steps} profiled steps; the profiler records {self.node_cost_us:.1f} us for a node that "
-            "does nothing, taken out of each node in the last column (an estimate)",
+            f"{self.unprofiled_step_us:.0f} us unprofiled, {self.step_us:.0f} us under ORT's profiler (medians)",
+            f"  rows: {self.steps} profiled steps, share of their mean; the profiler records {self.node_cost_us:.1f} "
+            "us for a node that does nothing, taken out of each node in the last column (an estimate)",
             f"  {'row':<32} {'nodes':>5} {'us/step':>9} {'share':>6} {'less profiler':>13}",
         ]
         for row, us in sorted(self.rows.items(), key=lambda kv: -kv[1]):
-            share = us / self.profiled_step_us if self.profiled_step_us > 0 else 0.0
+            share = us / total if total > 0 else 0.0
             less = f"{self.rows_less_profiler[row]:>13.1f}" if row in self.rows_less_profiler else ""
             lines.append(f"  {row:<32} {self.nodes.get(row, 0):>5} {us:>9.1f} {share:>6.1%} {less}".rstrip())
         return "\n".join(lines)
@@ -110,8 +112,6 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
     if past < 0 or steps < 1:
         raise PerplexityError(f"op-profile: need past >= 0 and steps >= 1, got past={past}, steps={steps}")
     with tempfile.TemporaryDirectory(prefix="cim-int4-profile-") as work:
-        node_cost = profiler_node_cost(threads, os.path.join(work, "noop"))
-        plain = open_model(source, threads=threads)
         model = open_model(source, threads=threads, profile_prefix=os.path.join(work, "ort"))
         if model.context is not None and past + 1 > model.context:
             raise PerplexityError(f"op-profile: --past {past} + 1 exceeds the model's context ({model.context})")
@@ -119,9 +119,13 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
         for _ in range(steps + 1):  # the first is a warm-up, left out below
             model.session.run(None, feeds)
         trace = json.loads(Path(model.session.end_profiling()).read_text())
-        del model
-        step_us = unprofiled_step_us(plain.session, feeds, max(steps, UNPROFILED_STEPS))
-    roles = node_roles(plain.path)
+        path = model.path
+        del model  # one session's weights in memory at a time
+        plain = open_model(source, threads=threads)
+        unprofiled = unprofiled_step_us(plain.session, feeds, max(steps, UNPROFILED_STEPS))
+        del plain
+        node_cost = profiler_node_cost(threads, os.path.join(work, "noop"))
+    roles = node_roles(path)
     runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
                   key=lambda e: e["ts"])[1:]  # fmt: skip
     if len(runs) != steps:
@@ -140,9 +144,9 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
     rows = {row: us / steps for row, us in totals.items()}
     less = {row: max(0.0, us - len(nodes[row]) * node_cost) for row, us in rows.items()}
     rows[BETWEEN] = max(0.0, statistics.mean(e["dur"] for e in runs) - sum(rows.values()))
-    profiled = statistics.median(e["dur"] for e in runs)
+    step_us = statistics.median(e["dur"] for e in runs)
     return Breakdown(str(source), past, steps, threads, step_us, rows, {r: len(n) for r, n in nodes.items()},
-                     profiled, node_cost, less)
+                     unprofiled, node_cost, less)  # fmt: skip
 
 
 UNPROFILED_STEPS = 16  # at least this many timed steps without the profiler
@@ -166,30 +170,39 @@ def unprofiled_step_us(session, feeds: dict, steps: int) -> float:
 
 
 def profiler_node_cost(threads: int | None, prefix: str) -> float:
-    """Mean kernel time (µs) ORT's profiler records for a node that does nothing: a chain of one-float Adds."""
+    """Median kernel time (µs) ORT's profiler records for a node that does nothing: a chain of one-float Adds.
+
+    The session is made as the model's (``session_options``, no arena): what the profiler adds
+    depends on the thread pool. Its first run is left out, as the model's warm-up is. A node with
+    more inputs and outputs than an Add's two and one costs the profiler a little more.
+    """
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
+
+    from .ops import session_options
 
     nodes = [helper.make_node("Add", [f"x{i}", "one"], [f"x{i + 1}"]) for i in range(NOOP_NODES)]
     graph = helper.make_graph(
         nodes, "noop", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1])],
         [helper.make_tensor_value_info(f"x{NOOP_NODES}", TensorProto.FLOAT, [1])],
         [numpy_helper.from_array(np.ones(1, np.float32), "one")],
-    )
+    )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
+    so = session_options(threads, pin=False)
+    so.enable_cpu_mem_arena = False
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every Add
     so.enable_profiling = True
     so.profile_file_prefix = prefix
     session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     x = np.zeros(1, np.float32)
-    for _ in range(UNPROFILED_STEPS):
+    for _ in range(UNPROFILED_STEPS + 1):
         session.run(None, {"x0": x})
     trace = json.loads(Path(session.end_profiling()).read_text())
-    times = [e["dur"] for e in trace if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
-    return statistics.mean(times) if times else 0.0
+    runs = sorted(e["ts"] for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run")
+    after = runs[1] if len(runs) > 1 else 0
+    times = [e["dur"] for e in trace
+             if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= after]  # fmt: skip
+    return statistics.median(times) if times else 0.0
 
 
 def add_arguments(p) -> None:

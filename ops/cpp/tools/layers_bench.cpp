@@ -3,7 +3,8 @@
 // or 2 threads, cold (256 MiB written before each pass), fastest of 9 passes. It tells whether a
 // decode step's MatMuls stream at the memory wall on this CPU, apart from what ORT adds per node
 // (docs/real-llm.md, "Where a 2-thread step goes"). Two threads split each layer as the op does
-// (halves of its 4-tile strips), the second thread spinning between layers. Build against the
+// (halves of its 4-tile strips; the read by halves of each layer), the second thread spinning
+// between layers. Build against the
 // library's kernel objects:
 //
 //   g++ -O2 -std=c++17 -mavx2 -pthread -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
@@ -18,9 +19,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -49,42 +52,64 @@ struct Shape {
   int64_t K, N;
 };
 
+// "KxN KxN ...": at least one layer, K a multiple of 32, nothing else in a word.
 bool parse(const char* text, std::vector<Shape>& out) {
   std::istringstream in(text);
   std::string word;
+  const size_t before = out.size();
   while (in >> word) {
     Shape s{};
-    if (std::sscanf(word.c_str(), "%ldx%ld", &s.K, &s.N) != 2 || s.K < 32 || s.N < 1 || s.K % 32) return false;
+    int used = 0;
+    if (std::sscanf(word.c_str(), "%" SCNd64 "x%" SCNd64 "%n", &s.K, &s.N, &used) != 2 ||
+        used != static_cast<int>(word.size()) || s.K < 32 || s.N < 1 || s.K % 32) {
+      return false;
+    }
     out.push_back(s);
   }
-  return true;
+  return out.size() > before;
 }
 
-// The second thread's share of the layer being run: it spins until `go` moves, runs, bumps `done`.
+// A whole-word positive int, else 0.
+int positive(const char* text) {
+  char* end = nullptr;
+  const long v = std::strtol(text, &end, 10);
+  return end != text && *end == '\0' && v > 0 && v < 1000000 ? static_cast<int>(v) : 0;
+}
+
+// The second thread, spinning (with pause, as ORT's pool does) until `go` moves: it runs `job`
+// and bumps `done`. The main thread sets `job` before moving `go` and waits for `done`.
 struct Helper {
-  const MatMulArgs* args = nullptr;
-  MatMulFn fn = nullptr;
-  int64_t begin = 0, end = 0;
+  std::function<void()> job;
   std::atomic<int> go{0}, done{0};
   std::atomic<bool> stop{false};
   void loop() {
     for (int seen = 0; !stop.load(std::memory_order_relaxed);) {
-      if (go.load(std::memory_order_acquire) == seen) continue;
+      if (go.load(std::memory_order_acquire) == seen) {
+        _mm_pause();
+        continue;
+      }
       ++seen;
-      fn(*args, begin, end);
+      job();
       done.fetch_add(1, std::memory_order_release);
     }
   }
+  // Runs `mine` here and `theirs` on the second thread, and returns when both are done.
+  void both(const std::function<void()>& mine, std::function<void()> theirs) {
+    job = std::move(theirs);
+    const int target = done.load(std::memory_order_relaxed) + 1;
+    go.fetch_add(1, std::memory_order_release);
+    mine();
+    while (done.load(std::memory_order_acquire) != target) _mm_pause();
+  }
 };
 
-// Sum of the bytes of [from, to) of each buffer, 32 at a time: the read the kernels are held against.
-uint64_t read_part(const std::vector<std::unique_ptr<PackedStorage>>& layers, int part, int parts) {
+// Sum of part `part` of `parts` of one layer's stream (no bias here: bytes() is the stream), 32
+// bytes at a time: the read the kernels are held against.
+uint64_t read_part(const PackedStorage& st, int part, int parts) {
   __m256i acc = _mm256_setzero_si256();
-  for (const auto& st : layers) {
-    const auto* p = reinterpret_cast<const __m256i*>(st->weights().stream);
-    const int64_t n = st->bytes() / 32;
-    for (int64_t i = n * part / parts; i < n * (part + 1) / parts; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
-  }
+  const auto* p = reinterpret_cast<const __m256i*>(st.weights().stream);
+  const int64_t n = st.bytes() / 32;
+  for (int64_t i = n * part / parts; i < n * (part + 1) / parts; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
   return static_cast<uint64_t>(_mm256_extract_epi64(acc, 0));
 }
 
@@ -92,8 +117,8 @@ uint64_t read_part(const std::vector<std::unique_ptr<PackedStorage>>& layers, in
 
 int main(int argc, char** argv) {
   std::vector<Shape> block, tail;
-  const int threads = argc > 1 ? std::atoi(argv[1]) : 0;
-  const int repeat = argc > 2 ? std::atoi(argv[2]) : 0;
+  const int threads = argc > 1 ? positive(argv[1]) : 0;
+  const int repeat = argc > 2 ? positive(argv[2]) : 0;
   if (argc < 4 || (threads != 1 && threads != 2) || repeat < 1 || !parse(argv[3], block) ||
       (argc > 4 && !parse(argv[4], tail))) {
     std::fprintf(stderr, "usage: layers_bench THREADS(1|2) REPEAT \"KxN ...\" [\"KxN ...\"] (K a multiple of 32)\n");
@@ -133,28 +158,28 @@ int main(int argc, char** argv) {
   std::vector<float> qs(static_cast<size_t>(max_k / 32));
   std::vector<int32_t> qz(static_cast<size_t>(max_k / 32));
 
-  uint64_t sink = 0;
+  Helper helper;
+  std::thread second;
+  if (threads == 2) second = std::thread([&] { helper.loop(); });
+  // The read goes layer by layer with the same handshake as the kernels below.
+  uint64_t sink = 0, other = 0;
   double read = 1e9;
   for (int r = 0; r < 9; ++r) {
     evict();
     const auto t0 = std::chrono::steady_clock::now();
-    if (threads == 2) {
-      uint64_t other = 0;
-      std::thread t([&] { other = read_part(layers, 1, 2); });
-      sink += read_part(layers, 0, 2);
-      t.join();
-      sink += other;
-    } else {
-      sink += read_part(layers, 0, 1);
+    for (const auto& st : layers) {
+      if (threads == 1) {
+        sink += read_part(*st, 0, 1);
+        continue;
+      }
+      helper.both([&] { sink += read_part(*st, 0, 2); }, [&] { other += read_part(*st, 1, 2); });
     }
     read = std::min(read, seconds_since(t0));
   }
+  sink += other;
   std::printf("%zu layers, %.1f MB, %d thread(s); read %.2f ms (%.1f GB/s)\n", layers.size(), bytes / 1e6, threads,
               read * 1e3, bytes / read / 1e9);
 
-  Helper helper;
-  std::thread second;
-  if (threads == 2) second = std::thread([&] { helper.loop(); });
   for (int v = 0; v < table->variant_count; ++v) {
     const KernelVariant& variant = table->variants[v];
     double best = 1e9;
@@ -172,15 +197,8 @@ int main(int argc, char** argv) {
         }
         const int64_t strips = (w.tiles + kStripTiles - 1) / kStripTiles;
         const int64_t half = std::min(w.tiles, (strips + 1) / 2 * kStripTiles);
-        helper.args = &args;
-        helper.fn = variant.matmul[kInt8];
-        helper.begin = half;
-        helper.end = w.tiles;
-        const int target = helper.done.load(std::memory_order_relaxed) + 1;
-        helper.go.fetch_add(1, std::memory_order_release);
-        variant.matmul[kInt8](args, 0, half);
-        while (helper.done.load(std::memory_order_acquire) != target) {
-        }
+        const MatMulFn fn = variant.matmul[kInt8];
+        helper.both([&] { fn(args, 0, half); }, [&] { fn(args, half, w.tiles); });
       }
       best = std::min(best, seconds_since(t0));
     }
