@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from cim_int4.bench.machine import cpu_model
+from cim_int4.op_profile import bind_feeds, timed_runs
 from cim_int4.perplexity import PerplexityError, open_model
 
 BLOCK = 10
@@ -46,24 +47,14 @@ def main() -> None:
             parser.exit(2, f"step_ab: {e}\n")
         bindings = []
         for model in models:
-            binding = model.session.io_binding()
-            for name, value in model.feeds_for(np.array([1], dtype=np.int64), args.past).items():
-                binding.bind_cpu_input(name, value)
-            for out in model.session.get_outputs():
-                binding.bind_output(out.name)
-            for _ in range(5):
-                model.session.run_with_iobinding(binding)
+            binding = bind_feeds(model.session, model.feeds_for(np.array([1], dtype=np.int64), args.past))
+            timed_runs(model.session, binding, 5)  # warm-up
             bindings.append(binding)
         times: list[list[float]] = [[] for _ in models]
         for r in range(args.rounds):
             for i in range(len(models)) if r % 2 else reversed(range(len(models))):
                 time.sleep(PAUSE_S)
-                block = []
-                for _ in range(BLOCK):
-                    start = time.perf_counter()
-                    models[i].session.run_with_iobinding(bindings[i])
-                    block.append(time.perf_counter() - start)
-                times[i].append(statistics.median(block))
+                times[i].append(statistics.median(timed_runs(models[i].session, bindings[i], BLOCK)))
         for label, t in zip(labels, times, strict=True):
             ratio = statistics.median(a / b for a, b in zip(times[0], t, strict=True))
             print(f"{threads} thread(s)  {label:<16} {statistics.median(t) * 1e3:7.2f} ms per step  "

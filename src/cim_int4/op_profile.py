@@ -126,8 +126,7 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
         del plain
         node_cost = profiler_node_cost(threads, os.path.join(work, "noop"))
     roles = node_roles(path)
-    runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                  key=lambda e: e["ts"])[1:]  # fmt: skip
+    runs = _runs(trace)[1:]
     if len(runs) != steps:
         raise PerplexityError(f"op-profile: the profile holds {len(runs) + 1} runs, expected {steps + 1}")
     first = runs[0]["ts"]
@@ -149,24 +148,41 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
                      unprofiled, node_cost, less)  # fmt: skip
 
 
+def _runs(trace: list[dict]) -> list[dict]:
+    """The profile's session runs (``model_run`` events), in time order."""
+    return sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])  # fmt: skip
+
+
 UNPROFILED_STEPS = 16  # at least this many timed steps without the profiler
 NOOP_NODES = 64
 
 
-def unprofiled_step_us(session, feeds: dict, steps: int) -> float:
-    """Median wall time (µs) of ``steps`` runs of ``session`` on ``feeds``, bound once (no per-run copies)."""
+def bind_feeds(session, feeds: dict):  # returns an onnxruntime IOBinding
+    """``feeds`` bound once to ``session``'s inputs and every output to ORT-allocated CPU memory (no per-run copies)."""
     binding = session.io_binding()
     for name, value in feeds.items():
         binding.bind_cpu_input(name, value)
     for out in session.get_outputs():
         binding.bind_output(out.name)
-    session.run_with_iobinding(binding)  # warm-up
+    return binding
+
+
+def timed_runs(session, binding, runs: int) -> list[float]:
+    """Wall time (s) of each of ``runs`` runs of ``session`` with ``binding``."""
     times = []
-    for _ in range(steps):
+    for _ in range(runs):
         start = time.perf_counter()
         session.run_with_iobinding(binding)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return times
+
+
+def unprofiled_step_us(session, feeds: dict, steps: int) -> float:
+    """Median wall time (µs) of ``steps`` runs of ``session`` on ``feeds``, bound once, after one warm-up run."""
+    binding = bind_feeds(session, feeds)
+    timed_runs(session, binding, 1)
+    return statistics.median(timed_runs(session, binding, steps)) * 1e6
 
 
 def profiler_node_cost(threads: int | None, prefix: str) -> float:
@@ -198,8 +214,8 @@ def profiler_node_cost(threads: int | None, prefix: str) -> float:
     for _ in range(UNPROFILED_STEPS + 1):
         session.run(None, {"x0": x})
     trace = json.loads(Path(session.end_profiling()).read_text())
-    runs = sorted(e["ts"] for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run")
-    after = runs[1] if len(runs) > 1 else 0
+    runs = _runs(trace)
+    after = runs[1]["ts"] if len(runs) > 1 else 0
     times = [e["dur"] for e in trace
              if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= after]  # fmt: skip
     return statistics.median(times) if times else 0.0
