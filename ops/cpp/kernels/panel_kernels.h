@@ -1,6 +1,7 @@
 // fp32 mode's prefill by panel, for tables whose fp32 unpacking is dear (S::kPrefillPanel:
-// AVX2, without a 16-entry vpermps: two shifts and a convert per code vector). Internal
-// linkage, for the reason tile_kernels.h gives.
+// AVX2, without a 16-entry vpermps: two shifts and a convert per code vector; AVX-512,
+// where a shift and a vpermps per 16 weights compete with the FMAs for ports 0 and 5 on
+// Intel cores). Internal linkage, for the reason tile_kernels.h gives.
 //
 // Per block of kPanelK inputs: A's rows are packed input by input (R floats per input for
 // each block of R rows); the 4-bit codes of kPanelTiles tiles are unpacked once into
@@ -12,8 +13,10 @@
 // t = fma(a_k, c_k - 8, t) for k in order, then acc = fma(t, scale, acc); partial sums wait
 // in Y between blocks of K, exactly.
 //
-// Measured on an AVX2-only Zen 3 (docs/benchmarks.md): 1.14-1.45x prefill by block
-// (prefill_kernels.h) at M = 128; with one tile per panel pass and 256 inputs, no faster.
+// Measured (docs/benchmarks.md): on an AVX2-only Zen 3 1.14-1.45x prefill by block
+// (prefill_kernels.h) at M = 128 (with one tile per panel pass and 256 inputs, no faster);
+// on an Intel Xeon (AVX-512) 1.05x at M = 32, 1.22x at 128, 1.27x at 512; on a Zen 4 a
+// similar 6 x 2-zmm form was level with prefill by block.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,10 @@ struct PanelKernels {
 
   static constexpr int64_t kPanelK = 512;     // inputs per panel: 512 x 16 floats = 32 KB
   static constexpr int64_t kPanelTiles = 4;   // panels made at once: 128 KB, in L2
+  // Tiles per pass of a block of rows: two vectors of channels per row (AVX2: one tile of
+  // 2 ymm; AVX-512: two tiles of 1 zmm), so 6 rows keep 12 independent FMA chains. With
+  // one zmm per row (6 chains) the AVX-512 loop ran at 0.8x this on an Intel Xeon.
+  static constexpr int kPassTiles = kVecs >= 2 ? 1 : 2;
   static constexpr int64_t kMaxRows = 192;    // rows of A packed at once: at most 384 KB, in L2
   static constexpr int64_t kMinRows = 24;     // fewer rows: prefill by block (level at 16 rows, ahead from 32)
 
@@ -79,31 +86,37 @@ struct PanelKernels {
     }
   }
 
-  // Rows m0 .. m0 + R - 1 against one tile's panel of groups [g0, g1); `a` is the rows'
-  // packed A (input k0 + j of row r at a[j * kRows + r], k0 the panel's first input).
-  template <int R>
+  // Rows m0 .. m0 + R - 1 against the panels of NP tiles t0 .. t0 + NP - 1, groups [g0, g1)
+  // (tile t0 + i's panel at panel + i * kPanelFloats, its scales at scales + i *
+  // kScaleFloats); `a` is the rows' packed A (input k0 + j of row r at a[j * kRows + r], k0
+  // the panel's first input).
+  template <int R, int NP>
   static void rows(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
                    int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
-    F init[R][kVecs];
-    T::template load_acc<1, R>(args, t0, m0, g0, init);
-    alignas(64) float acc[R * kTileN];  // the running sums wait in L1 between groups
+    constexpr int V = NP * kVecs;  // vectors of channels per row
+    F init[R][V];
+    T::template load_acc<NP, R>(args, t0, m0, g0, init);
+    alignas(64) float acc[R * V * S::kLanes];  // the running sums wait in L1 between groups
     for (int r = 0; r < R; ++r)
-      for (int x = 0; x < kVecs; ++x) S::store(acc + r * kTileN + x * S::kLanes, init[r][x]);
+      for (int x = 0; x < V; ++x) S::store(acc + (r * V + x) * S::kLanes, init[r][x]);
+    // Vector x of a row: tile x / kVecs, lanes (x % kVecs) * kLanes onwards.
+    auto at = [](int x) { return (x / kVecs) * kPanelFloats + (x % kVecs) * S::kLanes; };
+    auto scale_at = [](int x) { return (x / kVecs) * kScaleFloats + (x % kVecs) * S::kLanes; };
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t k0 = g * w.group_size;
       const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
       const float* p = panel + (g - g0) * w.group_size * kTileN;
       const float* ag = a + (g - g0) * w.group_size * kRows;
-      F t[R][kVecs];
+      F t[R][V];
       for (int r = 0; r < R; ++r)
-        for (int x = 0; x < kVecs; ++x) t[r][x] = S::zero();
+        for (int x = 0; x < V; ++x) t[r][x] = S::zero();
       auto step = [&](int64_t j) CIM_INLINE_LAMBDA {
-        F wv[kVecs];
-        for (int x = 0; x < kVecs; ++x) wv[x] = S::load(p + j * kTileN + x * S::kLanes);
+        F wv[V];
+        for (int x = 0; x < V; ++x) wv[x] = S::load(p + at(x) + j * kTileN);
         for (int r = 0; r < R; ++r) {
           const F av = S::set1(ag[j * kRows + r]);
-          for (int x = 0; x < kVecs; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
+          for (int x = 0; x < V; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
         }
       };
       if (valid == w.group_size) {  // group sizes are multiples of 8
@@ -111,29 +124,29 @@ struct PanelKernels {
       } else {
         for (int64_t j = 0; j < valid; ++j) step(j);
       }
-      for (int x = 0; x < kVecs; ++x) {
-        const F s = S::load(scales + (g - g0) * kTileN + x * S::kLanes);
+      for (int x = 0; x < V; ++x) {
+        const F s = S::load(scales + scale_at(x) + (g - g0) * kTileN);
         for (int r = 0; r < R; ++r) {
-          float* c = acc + r * kTileN + x * S::kLanes;
+          float* c = acc + (r * V + x) * S::kLanes;
           S::store(c, S::fma(t[r][x], s, S::load(c)));
         }
       }
     }
-    F out[R][kVecs];
+    F out[R][V];
     for (int r = 0; r < R; ++r)
-      for (int x = 0; x < kVecs; ++x) out[r][x] = S::load(acc + r * kTileN + x * S::kLanes);
-    T::template store_acc<1, R>(args, t0, m0, g1, out);
+      for (int x = 0; x < V; ++x) out[r][x] = S::load(acc + (r * V + x) * S::kLanes);
+    T::template store_acc<NP, R>(args, t0, m0, g1, out);
   }
 
   // 1 <= n <= kRows rows.
-  template <int R = kRows>
+  template <int NP, int R = kRows>
   static void rows_n(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
                      int64_t m0, int64_t n, int64_t g0, int64_t g1) {
     if constexpr (R >= 1) {
       if (n == R) {
-        rows<R>(args, panel, scales, a, t0, m0, g0, g1);
+        rows<R, NP>(args, panel, scales, a, t0, m0, g0, g1);
       } else {
-        rows_n<R - 1>(args, panel, scales, a, t0, m0, n, g0, g1);
+        rows_n<NP, R - 1>(args, panel, scales, a, t0, m0, n, g0, g1);
       }
     }
   }
@@ -172,7 +185,11 @@ struct PanelKernels {
           for (int64_t m0 = s0; m0 < s1; m0 += kRows) {
             const int64_t n = s1 - m0 < kRows ? s1 - m0 : kRows;
             const float* a = s.a + (m0 - s0) / kRows * kPanelK * kRows;
-            for (int64_t t = n0; t < n1; ++t) rows_n(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
+            int64_t t = n0;
+            for (; t + kPassTiles <= n1; t += kPassTiles) {
+              rows_n<kPassTiles>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
+            }
+            for (; t < n1; ++t) rows_n<1>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
           }
         }
       }

@@ -74,6 +74,11 @@ struct Variants {
       variant<S, S, 4, 6144, kT0, true>("n4-pf6k"),  // the avx512 tables' int8 default (measured on Zen 4)
       variant<S, S, 4, 24576, kT0, true>("n4-pf24k"),
       variant<S, S, 4, 0, kT0, true>("n4-nopf"),
+      // 2 KiB ahead: on an Intel Xeon with AVX-512 and AVX-VNNI (family 6 model 167) the L2
+      // streamer fetches from DRAM and a far T0 prefetch holds an L1 fill buffer for a
+      // whole DRAM trip; a near one only lifts lines from L2 (docs/tuning.md).
+      variant<S, S, 4, 2048, kT0>("t4-pf2k"),
+      variant<S, S, 4, 2048, kT0, true>("n4-pf2k"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
       variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
   };

@@ -445,9 +445,9 @@ std::vector<Shape> shapes() {
     s.wide_range = wide;
     out.push_back(s);
   };
-  // AVX2's fp32 prefill by panel (panel_kernels.h): more rows than one packed block of A
-  // (192), tiles past one chunk of 4 with a partial last one, K past one panel of 512
-  // inputs with a tail.
+  // fp32 prefill by panel (panel_kernels.h, AVX2 and AVX-512): more rows than one packed
+  // block of A (192), tiles past one chunk of 4 with a partial last one, K past one panel
+  // of 512 inputs with a tail.
   for (int64_t g : {16, 32, 256}) {
     for (int64_t k : {513, 1031}) {
       for (int64_t m : {200, 385}) long_shape(m, 100, k, g, m == 200 ? 3 : 0, k == 513, g == 16);
@@ -458,6 +458,9 @@ std::vector<Shape> shapes() {
   for (int64_t g : {64, 128}) {
     for (int64_t m : {28, 196}) long_shape(m, 100, 1031, g, 0, m == 28, false);
   }
+  // AVX-512 takes a panel's tiles two at a time: a partial last tile inside a pair (N = 120:
+  // tiles 4-7 of the second chunk, the last one of 8 channels) and one left alone (N = 100).
+  for (int64_t m : {30, 200}) long_shape(m, 120, 1031, 32, 0, m == 30, m == 200);
   // M = 128 and 129 for a few K.
   for (int64_t g : {32, 128}) {
     for (int64_t k : {100, 512}) {
