@@ -153,6 +153,9 @@ constexpr const char* kModeNames[2] = {"fp32", "int8"};
 struct KernelVariant {
   const char* name;        // e.g. "t4-pf6k", "ymm-t4-nopf" (variants.h)
   MatMulFn matmul[2];      // [kFp32]: FP32 activations; [kInt8]: int8 activations (args.QA set)
+  // Prefetches with the NTA hint, so its pass leaves less of the stream in the caches than
+  // a plain one: the tuner times these last in a round (tune/tuner.cpp).
+  bool nta = false;
 };
 
 // One table per instruction set, filled in the translation unit compiled for it.

@@ -49,8 +49,10 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
 // tuner times it once).
 template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
 constexpr KernelVariant variant(const char* name) {
-  return KernelVariant{name, {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
-                              variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow>}};
+  return KernelVariant{name,
+                       {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
+                        variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow>},
+                       kAhead > 0 && kHint == _MM_HINT_NTA};
 }
 
 constexpr int kT0 = _MM_HINT_T0;
