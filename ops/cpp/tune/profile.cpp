@@ -21,7 +21,8 @@ namespace {
 
 // Bump when the variant grid (kernels/variants.h) or the tuner's rule changes meaning:
 // profiles re-tune. g3: the tuner always runs 3 rounds (g2's 0.4 s could run 2 and keep
-// a default twice as slow as the best). g4: the 2 KiB prefetch rows (t4-pf2k, n4-pf2k).
+// a default twice as slow as the best). g4: the 2 KiB prefetch rows (t4-pf2k, n4-pf2k),
+// and NTA variants timed last in a round.
 constexpr const char* kGridVersion = "g4";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
