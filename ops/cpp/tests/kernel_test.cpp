@@ -612,6 +612,22 @@ int64_t check_half_to_float() {
   return failures;
 }
 
+// The tuner times NTA variants last in a round (tune/tuner.cpp) by their flag: it must
+// match what the name says, in every table.
+int64_t check_nta_flags(const std::vector<const cim::KernelTable*>& tables) {
+  int64_t failures = 0;
+  for (const cim::KernelTable* t : tables) {
+    for (int v = 0; v < t->variant_count; ++v) {
+      const cim::KernelVariant& k = t->variants[v];
+      if (k.nta != (std::strstr(k.name, "-nta") != nullptr)) {
+        std::printf("FAIL %s %s: nta flag %d does not match its name\n", t->name, k.name, int(k.nta));
+        ++failures;
+      }
+    }
+  }
+  return failures;
+}
+
 int main() {
   // Name the case when a guard page stops a kernel (this replaces ASan's handler too).
   struct sigaction on_fault = {};
@@ -658,7 +674,8 @@ int main() {
       }
     }
   }
-  int64_t failures = accuracy[0].failures + accuracy[1].failures + check_gather(rng) + check_half_to_float();
+  int64_t failures =
+      accuracy[0].failures + accuracy[1].failures + check_gather(rng) + check_half_to_float() + check_nta_flags(tables);
   for (int mi = 0; mi < 2; ++mi) {
     std::printf("portable    %s %5" PRId64 " shapes, %" PRId64 " failed, worst error / bound = %.4f\n",
                 kModes[mi].name, accuracy[mi].cases, accuracy[mi].failures, accuracy[mi].worst_ratio);
