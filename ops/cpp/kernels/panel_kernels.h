@@ -151,13 +151,22 @@ struct PanelKernels {
     }
   }
 
-  // Rows [m0, m1) of A, inputs [k0, k0 + len): block b of kRows rows at a + b * kPanelK * kRows,
-  // input by input.
+  // Rows [m0, m1) go in row_blocks(m0, m1) blocks of at most kRows rows, as even as they go:
+  // block b holds rows [row_of(m0, m1, b), row_of(m0, m1, b + 1)). (128 rows as 21 x 6 + 2
+  // left a last block whose 2 rows keep only 4 FMA chains in flight.)
+  static int64_t row_blocks(int64_t m0, int64_t m1) { return (m1 - m0 + kRows - 1) / kRows; }
+  static int64_t row_of(int64_t m0, int64_t m1, int64_t b) { return m0 + b * (m1 - m0) / row_blocks(m0, m1); }
+
+  // Rows [m0, m1) of A, inputs [k0, k0 + len): block b's rows at a + b * kPanelK * kRows,
+  // input by input (kRows floats per input, the first of them used).
   static void pack_a(const MatMulArgs& args, int64_t m0, int64_t m1, int64_t k0, int64_t len, float* a) {
-    for (int64_t m = m0; m < m1; ++m) {
-      float* dst = a + (m - m0) / kRows * kPanelK * kRows + (m - m0) % kRows;
-      const float* src = args.A + m * args.lda + k0;
-      for (int64_t j = 0; j < len; ++j) dst[j * kRows] = src[j];
+    for (int64_t b = 0; b < row_blocks(m0, m1); ++b) {
+      const int64_t first = row_of(m0, m1, b);
+      for (int64_t m = first; m < row_of(m0, m1, b + 1); ++m) {
+        float* dst = a + b * kPanelK * kRows + (m - first);
+        const float* src = args.A + m * args.lda + k0;
+        for (int64_t j = 0; j < len; ++j) dst[j * kRows] = src[j];
+      }
     }
   }
 
@@ -182,9 +191,10 @@ struct PanelKernels {
         for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
           const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
           for (int64_t t = n0; t < n1; ++t) make_panel<kF16>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
-          for (int64_t m0 = s0; m0 < s1; m0 += kRows) {
-            const int64_t n = s1 - m0 < kRows ? s1 - m0 : kRows;
-            const float* a = s.a + (m0 - s0) / kRows * kPanelK * kRows;
+          for (int64_t b = 0; b < row_blocks(s0, s1); ++b) {
+            const int64_t m0 = row_of(s0, s1, b);
+            const int64_t n = row_of(s0, s1, b + 1) - m0;
+            const float* a = s.a + b * kPanelK * kRows;
             int64_t t = n0;
             for (; t + kPassTiles <= n1; t += kPassTiles) {
               rows_n<kPassTiles>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
