@@ -1,6 +1,6 @@
 // Decode (M = 1, int8 mode, group 32, float16 scales) of a real decoder's weight layers, kernel only:
-// every variant of the avx2 table against a plain read of the same buffers in the same order, on 1
-// or 2 threads, cold (256 MiB written before each pass), fastest of 9 passes. It tells whether a
+// every variant of the avx2 table (or of the one CIM_INT4_KERNEL names) against a plain read of
+// the same buffers in the same order, on 1 or 2 threads, cold (256 MiB written before each pass), fastest of 9 passes. It tells whether a
 // decode step's MatMuls stream at the memory wall on this CPU, apart from what ORT adds per node
 // (docs/real-llm.md, "Where a 2-thread step goes"). Two threads split each layer as the op does
 // (halves of its 4-tile strips; the read by halves of each layer), the second thread spinning
@@ -124,10 +124,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: layers_bench THREADS(1|2) REPEAT \"KxN ...\" [\"KxN ...\"] (K a multiple of 32)\n");
     return 2;
   }
+  // The table as the op's override names it (CIM_INT4_KERNEL), the avx2 one by default.
+  const char* name = std::getenv("CIM_INT4_KERNEL") != nullptr ? std::getenv("CIM_INT4_KERNEL") : "avx2";
   const char* available = nullptr;
-  const KernelTable* table = select_kernels("avx2", &available);
+  const KernelTable* table = select_kernels(name, &available);
   if (table == nullptr) {
-    std::fprintf(stderr, "this CPU does not run the avx2 table (available: %s)\n", available);
+    std::fprintf(stderr, "this CPU does not run the %s table (available: %s)\n", name, available);
     return 1;
   }
   std::vector<Shape> shapes;
