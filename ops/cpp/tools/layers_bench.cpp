@@ -1,11 +1,11 @@
 // Decode (M = 1, int8 mode, group 32, float16 scales) of a real decoder's weight layers, kernel only:
 // every variant of the avx2 table (or of the one CIM_INT4_KERNEL names) against a plain read of
-// the same buffers in the same order, on 1 or 2 threads, cold (256 MiB written before each pass), fastest of 9 passes. It tells whether a
-// decode step's MatMuls stream at the memory wall on this CPU, apart from what ORT adds per node
-// (docs/real-llm.md, "Where a 2-thread step goes"). Two threads split each layer as the op does
-// (halves of its 4-tile strips; the read by halves of each layer), the second thread spinning
-// between layers. Build against the
-// library's kernel objects:
+// the same buffers in the same order, on 1 or 2 threads, cold (256 MiB written before each pass),
+// fastest of 9 passes. It tells whether a decode step's MatMuls stream at the memory wall on this
+// CPU, apart from what ORT adds per node (docs/real-llm.md, "Where a 2-thread step goes"). Two
+// threads split each layer as the op does (halves of its 4-tile strips; the read by halves of
+// each layer), the second thread spinning between layers. Build against the library's kernel
+// objects:
 //
 //   g++ -O2 -std=c++17 -mavx2 -pthread -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
 //       ops/cpp/tools/layers_bench.cpp <build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o layers_bench
