@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   // The table as the op's override names it (CIM_INT4_KERNEL), the avx2 one by default.
-  const char* name = std::getenv("CIM_INT4_KERNEL") != nullptr ? std::getenv("CIM_INT4_KERNEL") : "avx2";
+  const char* env = std::getenv("CIM_INT4_KERNEL");
+  const char* name = env != nullptr ? env : "avx2";
   const char* available = nullptr;
   const KernelTable* table = select_kernels(name, &available);
   if (table == nullptr) {
