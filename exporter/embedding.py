@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import GATHER, GATHER_OP_TYPE, SharedInt4Node
+from ..contract import GATHER, GATHER_OP_TYPE, SharedInt4Node, encode_int8_scales
 from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
 from .operands import Ineligible
 from .options import ExportOptions
@@ -43,6 +43,7 @@ class Table:
     given: QuantizedWeight | None = None  # its tied head's codes from a calibrated method (GPTQ), used as its own
     packed_name: str = ""
     scales_name: str = ""
+    super_name: str = ""  # int8 scales' super-scales, else ""
     gather_name: str = ""  # the first Gather node reading it (a ``bits`` pattern may name it)
 
     @property
@@ -53,7 +54,7 @@ class Table:
     @property
     def bytes_after(self) -> int:
         assert self.quantized is not None
-        return self.quantized.packed.nbytes + self.quantized.scales.nbytes
+        return self.quantized.nbytes
 
 
 def is_gather(node: onnx.NodeProto) -> bool:
@@ -144,7 +145,13 @@ class Tables:
             table.quantized = qw
             table.packed_name = self.fresh(f"{table.name}/int4_packed")
             table.scales_name = self.fresh(f"{table.name}/int4_scales")
-            for array, name in ((qw.packed, table.packed_name), (qw.scales, table.scales_name)):
+            arrays = [(qw.packed, table.packed_name), (qw.scales, table.scales_name)]
+            if qw.super_scales is not None:  # int8 scales, and their super-scales as a fourth input
+                table.super_name = self.fresh(f"{table.name}/int4_super_scales")
+                arrays = [(qw.packed, table.packed_name),
+                          (encode_int8_scales(qw.scales, qw.super_scales, f"table '{table.name}'"), table.scales_name),
+                          (qw.super_scales, table.super_name)]
+            for array, name in arrays:
                 tensor = numpy_helper.from_array(array, name)
                 if self.write is not None:
                     self.write(tensor)  # streamed to the output now
@@ -156,7 +163,7 @@ class Tables:
         qw = self.quantize(table)
         return SharedInt4Node(
             node.name or f"{node.output[0]}/{GATHER_OP_TYPE}",
-            (table.packed_name, node.input[1], table.scales_name),
+            (table.packed_name, node.input[1], table.scales_name) + ((table.super_name,) if table.super_name else ()),
             (node.output[0],),
             qw.k,
             qw.group_size,

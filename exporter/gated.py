@@ -165,6 +165,7 @@ def fuse(gate: Int4Node, up: Int4Node, mlp: GatedMLP, name: str) -> Int4Node | N
         and (gate.k, gate.n, gate.group_size, gate.bits) == (up.k, up.n, up.group_size, up.bits)
         and gate.compute == up.compute
         and gate.scales.dtype == up.scales.dtype
+        and (gate.super_scales is None) == (up.super_scales is None)
         and gate.gated is None
         and up.gated is None
         and gate.op == up.op
@@ -179,6 +180,7 @@ def fuse(gate: Int4Node, up: Int4Node, mlp: GatedMLP, name: str) -> Int4Node | N
         n=2 * gate.n,
         packed=np.concatenate([gate.packed, up.packed]),
         scales=np.concatenate([gate.scales, up.scales]),
+        super_scales=None if gate.super_scales is None else np.concatenate([gate.super_scales, up.super_scales]),
         bias=bias,
         gated=mlp.activation,
     )

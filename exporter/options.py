@@ -118,6 +118,11 @@ class ExportOptions:
                 f"method {self.method!r} quantizes at {DEFAULT_BITS} bits only; "
                 f"use method 'rtn' or 'gptq' with bits={self.bits!r}"
             )
+        if self.scale_dtype == "int8" and self.method != "rtn" and (self.method != "auto" or self.feeds is not None):
+            raise ValueError(
+                f"scale_dtype 'int8' works with method 'rtn' only (gptq and awq round against float16 or float32 "
+                f"scales); got method {self.method!r}" + (" with feeds" if self.method == "auto" else "")
+            )
         if self.bits_budget is not None:
             if self.bits != AUTO:
                 raise ValueError(f"bits_budget needs bits='auto' (got bits={self.bits!r})")

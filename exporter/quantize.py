@@ -5,7 +5,9 @@ Written for 4 bits below; at another width b (``bits``) read 8 as ``2^(b-1)``, -
 ``scale_dtype="float16"`` (the default) each scale is rounded to float16 *before* the codes are
 chosen, so the codes fit the scale the file actually stores; a weight with a scale float16 cannot
 hold (beyond +-65504, or so small that float16 moves it by more than 2^-9 of itself) keeps float32
-scales, all of them.
+scales, all of them. ``scale_dtype="int8"`` rounds each scale to an int8 fraction of its
+super-block's float16 super-scale (``contract.int8_scales``) before the codes are chosen, the same
+way; a weight whose super-scales float16 cannot hold keeps float32 scales.
 
 For a weight ``W`` of shape ``[K, N]`` (``y = x @ W``) and group size ``g``:
 
@@ -36,11 +38,14 @@ from ..contract import (
     DEFAULT_BITS,
     DEFAULT_GROUP_SIZE,
     SCALE_DTYPES,
+    SUPER_GROUPS,
     SUPPORTED_GROUP_SIZES,
     check_bits,
     check_group_size,
+    int8_scales,
     pack,
     q_range,
+    scale_values,
 )
 from .scale_rules import check_scale_rule, group_scales
 
@@ -100,7 +105,11 @@ def stored_scales(scales: np.ndarray, scale_dtype: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight in attribute form: ``packed`` uint8 [N, K_padded*bits/8], ``scales`` float32/float16 [N, groups]."""
+    """A weight in attribute form: ``packed`` uint8 [N, K_padded*bits/8], ``scales`` float32/float16 [N, groups].
+
+    ``super_scales`` (float16 [N, supers]) set: the scales (float32 values) are stored as int8
+    fractions of these (``contract.scale_values``).
+    """
 
     k: int
     n: int
@@ -108,11 +117,14 @@ class QuantizedWeight:
     packed: np.ndarray
     scales: np.ndarray
     bits: int = DEFAULT_BITS
+    super_scales: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the codes and scales (what a node of this weight streams per token)."""
-        return self.packed.nbytes + self.scales.nbytes
+        """Bytes of the codes and stored scales (what a node of this weight streams per token)."""
+        if self.super_scales is None:
+            return self.packed.nbytes + self.scales.nbytes
+        return self.packed.nbytes + self.scales.size + self.super_scales.nbytes
 
 
 def quantize(
@@ -125,8 +137,16 @@ def quantize(
     """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in ``q_range(bits)`` and ``scales`` [N, groups].
 
     ``scales`` are of ``scale_dtype`` (float32 or float16; float32 when a scale would overflow or underflow
-    float16); the codes are those of the stored scales.
+    float16; int8: the float32 values of the int8 scales); the codes are those of the stored scales.
     """
+    q, scales, _ = _quantize(w, group_size, scale_rule, bits, scale_dtype)
+    return q, scales
+
+
+def _quantize(
+    w: np.ndarray, group_size: int, scale_rule: str, bits: int, scale_dtype: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``quantize``, and the super-scales of int8 scales (else None; float32 scales when they cannot be int8)."""
     check_group_size(group_size)
     check_scale_rule(scale_rule)
     check_bits(bits)
@@ -143,7 +163,14 @@ def quantize(
     # Padding zeros never change a group's scale under any rule (all look at |w| extremes or
     # squared error, and a zero is exact on every grid).
     scales = group_scales(blocks, scale_rule, bits)
-    scales = stored_scales(scales, stored_dtype(scales, scale_dtype))
+    super_scales = None
+    if scale_dtype == "int8":
+        encoded = int8_scales(scales)
+        if encoded is not None:
+            super_scales = encoded[1]
+            scales = scale_values(*encoded)
+    else:
+        scales = stored_scales(scales, stored_dtype(scales, scale_dtype))
     # scale 0 means every |w| of the group is below ~1e-44 (float16: ~3e-8), so w / 1 rounds to q = 0
     # (float16: to 0 or a code whose product with scale 0 is 0 all the same).
     stored = scales.astype(np.float32)
@@ -152,7 +179,7 @@ def quantize(
     np.rint(blocks, out=blocks)
     lo, hi = q_range(bits)
     q = np.clip(blocks, lo, hi, out=blocks).astype(np.int8)
-    return q.reshape(n, groups * group_size), scales
+    return q.reshape(n, groups * group_size), scales, super_scales
 
 
 # quantize() needs a few temporaries of the weight's size; big weights go in column blocks of this many bytes.
@@ -176,14 +203,20 @@ def quantize_weight(
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
     k, n = w.shape
     groups = -(-k // group_size)
+    int8 = scale_dtype == "int8"
     packed = np.empty((n, groups * group_size * bits // 8), dtype=np.uint8)
-    scales = np.empty((n, groups), dtype=scale_dtype)
+    scales = np.empty((n, groups), dtype=np.float32 if int8 else scale_dtype)
+    supers = np.empty((n, -(-groups // SUPER_GROUPS)), dtype=np.float16) if int8 else None
     # Output channels are independent under every scale rule: blocks of them bound the temporaries.
     step = max(1, _BLOCK_BYTES // max(1, 4 * groups * group_size))
     for n0 in range(0, n, step):
-        q, s = quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype)
-        if s.dtype != scales.dtype:  # float16 cannot hold this weight's scales: all of them float32
+        q, s, d = _quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype)
+        if s.dtype != scales.dtype or (int8 and d is None):  # float16 cannot hold them: all scales float32
             return quantize_weight(w, group_size, scale_rule, bits, "float32")
         packed[n0 : n0 + step] = pack(q, bits)
         scales[n0 : n0 + step] = s
-    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits)
+        if supers is not None:
+            supers[n0 : n0 + step] = d
+    return QuantizedWeight(
+        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers
+    )

@@ -201,8 +201,7 @@ class Rewriter:
             if mlp is not None and table is None and _direct(plan):
                 halves[index] = self.int4_node(node.name or f"{node.output[0]}/{OP_TYPE}", key, node.input[0],
                                                node.output[0], plan)
-                replaced[index], after = [], halves[index].packed.nbytes + halves[index].scales.nbytes
-                after += 0 if plan.bias is None else plan.bias.nbytes
+                replaced[index], after = [], halves[index].nbytes
                 if mlp.gate in halves and mlp.up in halves:
                     self.fuse(graph, mlp, halves.pop(mlp.gate), halves.pop(mlp.up), replaced, path)
             else:
@@ -398,14 +397,13 @@ class Rewriter:
         if table is not None:
             qw = self.tables.quantize(table)
             self.widths_used[key] = qw.bits
-            inputs = (x, table.packed_name, table.scales_name)
+            inputs = (x, table.packed_name, table.scales_name) + ((table.super_name,) if table.super_name else ())
             op = SharedInt4Node(
                 base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, o.node_compute, qw.bits
             ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
         node = self.int4_node(base, key, x, out, plan)
-        bias_bytes = 0 if plan.bias is None else plan.bias.nbytes
-        return [self.written(node)], node.packed.nbytes + node.scales.nbytes + bias_bytes
+        return [self.written(node)], node.nbytes
 
     def int4_node(self, base: str, key: str, x: str, out: str, plan: Plan) -> Int4Node:
         """The CimInt4MatMul of ``out = x @ W (+ bias)``, its weight quantized (or taken from ``quantized``)."""
@@ -416,7 +414,7 @@ class Rewriter:
         self.widths_used[key] = qw.bits
         return Int4Node(
             base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, o.node_compute,
-            bits=qw.bits,
+            bits=qw.bits, super_scales=qw.super_scales,
         )
 
 

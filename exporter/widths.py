@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..contract import DEFAULT_BITS, SUPPORTED_BITS, check_bits, groups_of
+from ..contract import DEFAULT_BITS, SUPPORTED_BITS, check_bits, groups_of, supers_of
 
 AUTO = "auto"
 FP32_BITS = 32.0  # bits per weight of a layer left in float32
-SCALE_BITS = {"float32": 32, "float16": 16}
+SCALE_BITS = {"float32": 32, "float16": 16, "int8": 8}  # int8 adds a float16 super-scale per SUPER_GROUPS groups
 
 # The normalised option: an int, "auto", or ((pattern, bits), ...) in the order given.
 Bits = int | str | tuple[tuple[str, int], ...]
@@ -87,7 +87,8 @@ def bits_per_weight(k: int, n: int, group_size: int, bits: int | None, scale_dty
     if bits is None:
         return FP32_BITS
     groups = groups_of(k, group_size)
-    return (groups * group_size * bits + groups * SCALE_BITS[scale_dtype]) / k
+    supers = supers_of(groups) * 16 if scale_dtype == "int8" else 0
+    return (groups * group_size * bits + groups * SCALE_BITS[scale_dtype] + supers) / k
 
 
 def describe(bits: Bits) -> str:

@@ -47,6 +47,8 @@ from ..contract import (
     check_compute,
     is_op_node,
     row_bytes,
+    scale_values,
+    supers_of,
 )
 from . import reference
 from .ort_model import proto_session
@@ -170,13 +172,13 @@ def _int(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
 
 def with_table_attributes(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> onnx.NodeProto:
     """A CimInt4MatMul that reads codes and scales as inputs, as the equivalent one-input node with attributes."""
-    if node.op_type != OP_TYPE or len(node.input) != 3:
+    if node.op_type != OP_TYPE or len(node.input) not in (3, 4):
         return node
     n = _int(node, "N")
     out = onnx.NodeProto()
     out.CopyFrom(node)
     del out.input[1:]
-    for slot, name in ((1, "packed"), (2, "scales")):
+    for slot, name in ((1, "packed"), (2, "scales"), (3, "super_scales"))[: len(node.input) - 1]:
         value = _initializer(initializers, node, slot, name)
         value = value.reshape(n, -1) if n > 0 and value.size % n == 0 else value
         out.attribute.append(helper.make_attribute(name, numpy_helper.from_array(value, name)))
@@ -195,18 +197,24 @@ def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
     groups = -(-k // group_size)
     rows = packed.shape[0] if packed.ndim else 0
     width = row_bytes(groups * group_size, bits)
+    int8 = len(node.input) == 4
+    super_scales = _initializer(initializers, node, 3, "super_scales") if int8 else None
     if (
         packed.dtype != np.uint8
         or packed.size != rows * width
         or scales.size != rows * groups
-        or scales.dtype not in (np.float32, np.float16)
+        or scales.dtype not in ((np.int8,) if int8 else (np.float32, np.float16))
+        or (int8 and (super_scales.dtype != np.float16 or super_scales.size != rows * supers_of(groups)))
     ):
+        kind = "int8 [rows, {}] scales and float16 super_scales" if int8 else "float32 or float16 [rows, {}] scales"
+        kind = kind.format(groups)
         raise ValueError(
             f"{GATHER_OP_TYPE} node '{node.name}': packed {list(packed.shape)} / scales {list(scales.shape)} "
-            f"{scales.dtype} do not hold [rows, {width}] codes and float32 or float16 [rows, {groups}] scales for "
-            f"K={k}, bits={bits}"
+            f"{scales.dtype} do not hold [rows, {width}] codes and {kind} for K={k}, bits={bits}"
         )
-    return reference.gather(packed.reshape(rows, -1), scales, np.arange(rows), k, group_size, bits)
+    supers = None if super_scales is None else super_scales.reshape(rows, -1)
+    values = scale_values(scales.reshape(rows, groups), supers)
+    return reference.gather(packed.reshape(rows, -1), values, np.arange(rows), k, group_size, bits)
 
 
 def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.ModelProto:

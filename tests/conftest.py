@@ -21,7 +21,7 @@ from cim_int4.ops import reference
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
-from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, OP_VERSION, scale_values
 
 KERNEL_ENV = "CIM_INT4_KERNEL"
 # Unit roundoff of float32 (round to nearest).
@@ -174,16 +174,21 @@ def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
             if node.op_type == GATHER_OP_TYPE:
                 packed, scales = (numpy_helper.to_array(tables[node.input[i]]) for i in (0, 2))
                 rows = packed.shape[0]
+                if len(node.input) == 4:  # int8 scales and their super-scales
+                    scales = scale_values(scales.reshape(rows, -1), numpy_helper.to_array(tables[node.input[3]]))
                 table = reference.gather(packed, scales, np.arange(rows), a["K"], a["group_size"])
                 inits.append(numpy_helper.from_array(table, f"{node.name}.dequantized"))
                 nodes.append(helper.make_node("Gather", [f"{node.name}.dequantized", node.input[1]], [node.output[0]]))
                 continue
-            if len(node.input) == 3:
+            if len(node.input) >= 3:
                 packed, scales = (numpy_helper.to_array(tables[node.input[i]]) for i in (1, 2))
                 packed = packed.reshape(a["N"], -1)
+                supers = numpy_helper.to_array(tables[node.input[3]]) if len(node.input) == 4 else None
             else:
                 packed, scales = numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"])
-            w = reference.dequantize(packed, scales.reshape(a["N"], -1), a["K"], a["group_size"])
+                supers = numpy_helper.to_array(a["super_scales"]) if "super_scales" in a else None
+            scales = scale_values(scales.reshape(a["N"], -1), None if supers is None else supers.reshape(a["N"], -1))
+            w = reference.dequantize(packed, scales, a["K"], a["group_size"])
             inits.append(numpy_helper.from_array(w.astype(np.float32), f"{node.name}.dequantized"))
             y = node.output[0] if "gated" not in a else f"{node.output[0]}.full"
             if "gated" in a:  # both halves as one product, then the gate in plain ONNX

@@ -1,4 +1,4 @@
-"""Every code width and scale dtype through ONNX Runtime, on every kernel path this CPU runs.
+"""Every code width and scale dtype (float32, float16, int8 with super-scales) through ONNX Runtime, on every path.
 
 CimInt4MatMul (attribute and input forms, both compute modes) against ``reference.emulate(bits=...)``
 and CimInt4Gather against ``reference.gather`` (bit for bit); bad widths, scale dtypes and
@@ -26,10 +26,13 @@ from cim_int4.contract import (
     groups_of,
     pack,
     q_range,
+    scale_values,
+    supers_of,
 )
 
 KERNELS = available_kernels()
-SCALE_DTYPES = (np.float32, np.float16)
+SCALE_DTYPES = (np.float32, np.float16, np.int8)
+SCALE_IDS = ["f32", "f16", "i8"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +45,35 @@ class Table:
     bits: int
     packed: np.ndarray
     scales: np.ndarray
+    super_scales: np.ndarray | None = None  # int8 scales' float16 super-scales
+
+    @property
+    def values(self) -> np.ndarray:
+        """The scales the op computes with (float32)."""
+        return scale_values(self.scales, self.super_scales)
 
     def attributes(self, **extra: object) -> dict[str, object]:
+        tensors = {"packed": self.packed, "scales": self.scales}
+        if self.super_scales is not None:
+            tensors["super_scales"] = self.super_scales
         return {
             "K": self.k,
             "N": self.n,
             "group_size": self.group_size,
             "bits": self.bits,
-            "packed": numpy_helper.from_array(self.packed, "packed"),
-            "scales": numpy_helper.from_array(self.scales, "scales"),
+            **{name: numpy_helper.from_array(value, name) for name, value in tensors.items()},
             **extra,
         }
+
+    def initializers(self) -> list[onnx.TensorProto]:
+        """Codes, scales (and super-scales) as initializers P, S (and D) of the input form."""
+        arrays = [(self.packed, "P"), (self.scales, "S")]
+        if self.super_scales is not None:
+            arrays.append((self.super_scales, "D"))
+        return [numpy_helper.from_array(value, name) for value, name in arrays]
+
+    def inputs(self) -> list[str]:
+        return ["P", "S"] + (["D"] if self.super_scales is not None else [])
 
 
 def table(k: int, n: int, group_size: int, bits: int, scale_dtype: type, seed: int = 0) -> Table:
@@ -62,14 +83,20 @@ def table(k: int, n: int, group_size: int, bits: int, scale_dtype: type, seed: i
     q = np.zeros((n, groups_of(k, group_size) * group_size), np.int16)
     q[:, :k] = rng.integers(lo, hi + 1, (n, k))
     q[0, : min(k, 2)] = (lo, hi)[: min(k, 2)]  # the extreme codes
-    scales = (rng.standard_normal((n, q.shape[1] // group_size)) * 0.05).astype(scale_dtype)
+    groups = q.shape[1] // group_size
+    if scale_dtype is np.int8:  # int8 over the whole range (-128 too), float16 super-scales of both signs, one zero
+        scales = rng.integers(-128, 128, (n, groups)).astype(np.int8)
+        supers = (rng.standard_normal((n, supers_of(groups))) * 0.05).astype(np.float16)
+        supers[-1, 0] = 0
+        return Table(k, n, group_size, bits, pack(q, bits), scales, supers)
+    scales = (rng.standard_normal((n, groups)) * 0.05).astype(scale_dtype)
     return Table(k, n, group_size, bits, pack(q, bits), scales)
 
 
 def emulated(t: Table, a: np.ndarray, bias: np.ndarray | None, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """The emulation of ``mode`` and a few ulps of each output's magnitude (its fma's rare double rounding)."""
-    want = reference.emulate(a, t.packed, t.scales, t.k, t.group_size, bias, mode, t.bits)
-    w = reference.dequantize(t.packed, t.scales, t.k, t.group_size, t.bits)
+    want = reference.emulate(a, t.packed, t.values, t.k, t.group_size, bias, mode, t.bits)
+    w = reference.dequantize(t.packed, t.values, t.k, t.group_size, t.bits)
     mag = np.abs(a.astype(np.float64)) @ np.abs(w) + (0 if bias is None else np.abs(bias))
     return want, 4 * U32 * mag + 1e-37
 
@@ -80,14 +107,14 @@ def run(model: onnx.ModelProto, a: np.ndarray, threads: int = 1) -> np.ndarray:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=["f32", "f16"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
 def test_widths_match_the_emulation(kernel: str, bits: int, scale_dtype: type, mode: str, monkeypatch) -> None:
     monkeypatch.setenv(KERNEL_ENV, kernel)
     rng = np.random.default_rng(bits)
     # K with a tail in the last group (and one chunk of 16 codes), N off the 16-channel tile
     # and the 64-channel strip; M = 1 (decode) and prefill's row blocks.
-    for k, n, group_size in [(32 * 3 + 5, 37, 32), (16, 70, 16), (300, 17, 128), (7, 1, 32)]:
+    for k, n, group_size in [(32 * 3 + 5, 37, 32), (16, 70, 16), (300, 17, 128), (7, 1, 32), (16 * 17, 20, 16)]:
         t = table(k, n, group_size, bits, scale_dtype)
         bias = rng.standard_normal(n).astype(np.float32)
         a = rng.standard_normal((13, k), dtype=np.float32)
@@ -100,11 +127,12 @@ def test_widths_match_the_emulation(kernel: str, bits: int, scale_dtype: type, m
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_every_path_gives_the_same_bits(bits: int) -> None:
-    t = table(200, 45, 32, bits, np.float16)
-    a = np.random.default_rng(1).standard_normal((3, 200), dtype=np.float32)
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.int8], ids=["f16", "i8"])
+def test_every_path_gives_the_same_bits(bits: int, scale_dtype: type) -> None:
+    t = table(300, 45, 32, bits, scale_dtype)
+    a = np.random.default_rng(1).standard_normal((3, 300), dtype=np.float32)
     for mode in ("fp32", "int8"):
-        model = op_model(t.attributes(compute=mode), [["M", 200]])
+        model = op_model(t.attributes(compute=mode), [["M", 300]])
         outs = {}
         for kernel in KERNELS:
             with pytest.MonkeyPatch.context() as mp:
@@ -115,20 +143,20 @@ def test_every_path_gives_the_same_bits(bits: int) -> None:
 
 def input_form(t: Table, **attrs: object) -> onnx.ModelProto:
     """The same node with codes and scales as constant-initializer inputs (a tied LM head)."""
-    node = helper.make_node(OP_TYPE, ["A0", "P", "S"], ["Y0"], name="head", domain=OP_DOMAIN, K=t.k, N=t.n,
+    node = helper.make_node(OP_TYPE, ["A0", *t.inputs()], ["Y0"], name="head", domain=OP_DOMAIN, K=t.k, N=t.n,
                             group_size=t.group_size, bits=t.bits, **attrs)
     graph = helper.make_graph(
         [node], "head", [helper.make_tensor_value_info("A0", TensorProto.FLOAT, ["m", t.k])],
         [helper.make_tensor_value_info("Y0", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(t.packed, "P"), numpy_helper.from_array(t.scales, "S")],
+        initializer=t.initializers(),
     )
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=8
     )
 
 
-@pytest.mark.parametrize("bits", [8, 3])
-@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=["f32", "f16"])
+@pytest.mark.parametrize("bits", [8, 3, 4])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
 def test_table_inputs_equal_the_attribute_form(bits: int, scale_dtype: type) -> None:
     t = table(96, 40, 32, bits, scale_dtype)
     a = np.random.default_rng(3).standard_normal((2, 96)).astype(np.float32)
@@ -139,12 +167,12 @@ def test_table_inputs_equal_the_attribute_form(bits: int, scale_dtype: type) -> 
 
 
 def gather_model(t: Table) -> onnx.ModelProto:
-    node = helper.make_node(GATHER_OP_TYPE, ["P", "ids", "S"], ["Y"], name="embed", domain=OP_DOMAIN, K=t.k,
-                            group_size=t.group_size, bits=t.bits)
+    node = helper.make_node(GATHER_OP_TYPE, ["P", "ids", *t.inputs()[1:]], ["Y"], name="embed", domain=OP_DOMAIN,
+                            K=t.k, group_size=t.group_size, bits=t.bits)
     graph = helper.make_graph(
         [node], "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(t.packed, "P"), numpy_helper.from_array(t.scales, "S")],
+        initializer=t.initializers(),
     )
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=8
@@ -152,13 +180,13 @@ def gather_model(t: Table) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=["f32", "f16"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
 def test_gather_matches_the_reference_bit_for_bit(bits: int, scale_dtype: type) -> None:
-    for k, group_size in [(64, 32), (77, 16), (300, 128)]:
+    for k, group_size in [(64, 32), (77, 16), (300, 128), (16 * 17, 16)]:
         t = table(k, 50, group_size, bits, scale_dtype)
         ids = np.array([[49, 0, 7], [-1, 3, 3]], np.int64)
         (y,) = make_session(gather_model(t), threads=1).run(None, {"ids": ids})
-        want = reference.gather(t.packed, t.scales, ids, k, group_size, bits)
+        want = reference.gather(t.packed, t.values, ids, k, group_size, bits)
         np.testing.assert_array_equal(y.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
@@ -198,9 +226,9 @@ def test_codes_of_another_width_are_refused_naming_packed(data_bits: int, node_b
 def test_other_scale_dtypes_are_refused_naming_scales(dtype: type) -> None:
     t = table(64, 8, 32, 5, np.float32)
     bad = Table(64, 8, 32, 5, t.packed, t.scales.astype(dtype))
-    one_line_error(op_model(bad.attributes(), [["M", 64]]), "node 'op0'", "'scales'", "float32 or float16")
-    one_line_error(input_form(bad), "node 'head'", "'scales'", "float32 or float16")
-    with pytest.raises(Exception, match="'scales'.*float32 or float16"):
+    one_line_error(op_model(bad.attributes(), [["M", 64]]), "node 'op0'", "'scales'", "float32, float16 or int8")
+    one_line_error(input_form(bad), "node 'head'", "'scales'", "float32, float16 or int8")
+    with pytest.raises(Exception, match="'scales'.*float32, float16 or int8"):
         make_session(gather_model(bad), threads=1).run(None, {"ids": np.array([0], np.int64)})
 
 
@@ -209,6 +237,36 @@ def test_a_float16_scale_that_is_not_finite_is_refused(bits: int) -> None:
     t = table(64, 8, 32, bits, np.float16)
     t.scales[3, 1] = np.inf
     one_line_error(op_model(t.attributes(), [["M", 64]]), "node 'op0'", "'scales'", "row 3, group 1")
+
+
+def test_int8_scales_without_super_scales_are_refused() -> None:
+    t = table(300, 8, 32, 4, np.int8)
+    alone = Table(300, 8, 32, 4, t.packed, t.scales)
+    one_line_error(op_model(alone.attributes(), [["M", 300]]), "node 'op0'", "int8 'scales'", "'super_scales'",
+                   "[8, 2]")
+    one_line_error(input_form(alone), "node 'head'", "int8 'scales'", "'super_scales'")
+    with pytest.raises(Exception, match="int8 'scales' but no input 'super_scales'"):
+        make_session(gather_model(alone), threads=1).run(None, {"ids": np.array([0], np.int64)})
+
+
+def test_super_scales_with_float_scales_are_refused() -> None:
+    t = table(300, 8, 32, 4, np.int8)
+    wrong = Table(300, 8, 32, 4, t.packed, t.values.astype(np.float16), t.super_scales)
+    one_line_error(op_model(wrong.attributes(), [["M", 300]]), "node 'op0'", "'super_scales'", "only int8 'scales'")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (8, 3), (4, 4)])
+def test_super_scales_of_the_wrong_shape_are_refused(shape: tuple[int, ...]) -> None:
+    t = table(300, 8, 32, 4, np.int8)
+    wrong = Table(300, 8, 32, 4, t.packed, t.scales, np.zeros(shape, np.float16))
+    one_line_error(op_model(wrong.attributes(), [["M", 300]]), "node 'op0'", "'super_scales'", "[8, 2]")
+    one_line_error(input_form(wrong), "node 'head'", "'super_scales'")
+
+
+def test_a_super_scale_that_is_not_finite_is_refused() -> None:
+    t = table(300, 8, 32, 4, np.int8)
+    t.super_scales[5, 1] = np.nan
+    one_line_error(op_model(t.attributes(), [["M", 300]]), "node 'op0'", "'super_scales'", "row 5, super-block 1")
 
 
 @pytest.mark.parametrize("bits", [3, 6, 8])
@@ -226,9 +284,10 @@ def test_a_padding_code_other_than_q0_is_refused(bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_reference_backend_gives_the_library_bits(bits: int) -> None:
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.int8], ids=["f16", "i8"])
+def test_reference_backend_gives_the_library_bits(bits: int, scale_dtype: type) -> None:
     pytest.importorskip("onnxruntime_extensions")
-    t = table(100, 20, 32, bits, np.float16)
+    t = table(100, 20, 32, bits, scale_dtype)
     a = np.random.default_rng(4).standard_normal((3, 100)).astype(np.float32)
     for mode in ("fp32", "int8"):
         model = op_model(t.attributes(compute=mode), [["M", 100]])
@@ -239,5 +298,5 @@ def test_reference_backend_gives_the_library_bits(bits: int) -> None:
         assert (np.abs(ours.astype(np.float64) - want) <= tol).all()
     gather = make_session(gather_model(t), threads=1, backend="reference")
     ids = np.array([19, 0, 4], np.int64)
-    want = reference.gather(t.packed, t.scales, ids, 100, 32, bits)
+    want = reference.gather(t.packed, t.values, ids, 100, 32, bits)
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0], want)

@@ -22,7 +22,7 @@ from cim_int4.exporter import gated
 from cim_int4.ops.reference import dequantize
 from onnx import helper, numpy_helper
 
-from cim_int4.contract import GATHER, MATMUL_SHARED, Int4Node, is_op_node
+from cim_int4.contract import GATHER, MATMUL_SHARED, Int4Node, is_op_node, scale_values
 
 SIDE_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "chat_template.jinja", "tokenizer.model")  # fmt: skip
@@ -63,6 +63,10 @@ def twin(model: onnx.ModelProto) -> onnx.ModelProto:
             packed = numpy_helper.to_array(inits[packed_name])
             scales = numpy_helper.to_array(inits[scales_name])
             used.update((packed_name, scales_name))
+            if len(node.input) == 4:  # int8 scales and their super-scales
+                super_scales = numpy_helper.to_array(inits[node.input[3]])
+                used.add(node.input[3])
+                scales = scale_values(scales.reshape(super_scales.shape[0], -1), super_scales)
             table = f"{packed_name}/dequantized"
             if table not in {t.name for t in new_inits}:
                 w = dequantize(packed, scales, attrs["K"], attrs.get("group_size", 32), attrs.get("bits", 4))

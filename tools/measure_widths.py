@@ -4,7 +4,8 @@ For each width b (2, 3, 4, 5, 6, 8), one interleaved run times, on a chain of ``
 CimInt4MatMul nodes of ``--dim`` x ``--dim`` (random codes; speed does not depend on
 their values): the node with float32 scales, the same with float16 scales, ORT's
 MatMulNBits 4-bit with accuracy_level 4 (int8 activations: "acc4") and, where ORT runs it,
-MatMulNBits 8-bit acc4; and the read probe (ops/cpp/tools/bwprobe.cpp) once per round.
+MatMulNBits 8-bit acc4; the node with int8 scales and float16 super-scales (``--int8-scales``);
+and the read probe (ops/cpp/tools/bwprobe.cpp) once per round.
 Both compute modes of ours at M = 1 and M = 128, 1 and 2 threads. GB/s is bytes of the
 repacked stream (codes and scales) per second. Sessions use the kernels' default decode
 variant (no tuning, no profile), so float16 and float32 scales run the same loop.
@@ -33,7 +34,7 @@ from cim_int4.bench.machine import cpu_model
 from cim_int4.bench.probe import BandwidthProbe
 from cim_int4.bench.runner import bench_session
 from cim_int4.bench.timing import interleaved
-from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION, SUPPORTED_BITS
+from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION, SUPER_GROUPS, SUPPORTED_BITS, int8_scales
 
 GROUP = 32
 
@@ -49,16 +50,24 @@ def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], dim: int,
 
 
 def cim_chain(bits: int, scale_dtype: type, dim: int, layers: int, compute: str, seed: int = 0) -> onnx.ModelProto:
-    """``layers`` CimInt4MatMul nodes of random ``bits``-bit codes, scales of ``scale_dtype`` (~1/sqrt(dim) gain)."""
+    """``layers`` CimInt4MatMul nodes of random ``bits``-bit codes, scales of ``scale_dtype`` (~1/sqrt(dim) gain).
+
+    ``np.int8``: int8 scales with their float16 super-scales (``contract.int8_scales``).
+    """
     rng = np.random.default_rng(seed)
     nodes = []
     for i in range(layers):
         packed = rng.integers(0, 256, (dim, dim * bits // 8), dtype=np.uint8)
-        scales = (rng.uniform(0.5, 1.5, (dim, dim // GROUP)) / (np.sqrt(dim) * (1 << (bits - 1)))).astype(scale_dtype)
+        values = rng.uniform(0.5, 1.5, (dim, dim // GROUP)) / (np.sqrt(dim) * (1 << (bits - 1)))
+        if scale_dtype is np.int8:
+            q, d = int8_scales(values.astype(np.float32))
+            tensors = {"scales": q, "super_scales": d}
+        else:
+            tensors = {"scales": values.astype(scale_dtype)}
         nodes.append(helper.make_node(
             OP_TYPE, [f"x{i}"], [f"x{i + 1}"], name=f"l{i}", domain=OP_DOMAIN, K=dim, N=dim, group_size=GROUP,
             bits=bits, compute=compute, packed=numpy_helper.from_array(packed, "packed"),
-            scales=numpy_helper.from_array(scales, "scales"),
+            **{name: numpy_helper.from_array(value, name) for name, value in tensors.items()},
         ))
     return _model(nodes, [], dim, layers)
 
@@ -78,9 +87,9 @@ def nbits_chain(bits: int, dim: int, layers: int, seed: int = 0) -> onnx.ModelPr
     return _model(nodes, inits, dim, layers)
 
 
-def stream_bytes(bits: int, scale_bytes: int, dim: int, layers: int) -> int:
+def stream_bytes(bits: int, scale_bytes: float, dim: int, layers: int) -> int:
     """Bytes one call reads: codes plus one scale per group (our stream; MatMulNBits' blob and scales alike)."""
-    return layers * dim * dim * (bits * GROUP // 8 + scale_bytes) // GROUP
+    return int(layers * dim * dim * (bits * GROUP // 8 + scale_bytes) // GROUP)
 
 
 def paired_ratio(baseline: list[float], times: list[float]) -> float:
@@ -101,6 +110,9 @@ def measure_width(bits: int, args: argparse.Namespace, probe: BandwidthProbe) ->
             "f32": (cim_chain(bits, np.float32, dim, layers, compute), stream_bytes(bits, 4, dim, layers)),
             "f16": (cim_chain(bits, np.float16, dim, layers, compute), stream_bytes(bits, 2, dim, layers)),
         }
+        if args.int8_scales:  # one byte a group, two per super-block of SUPER_GROUPS groups
+            models["i8"] = (cim_chain(bits, np.int8, dim, layers, compute),
+                            stream_bytes(bits, 1 + 2 / SUPER_GROUPS, dim, layers))
         if compute == "int8":  # MatMulNBits acc4 has int8 activations: beside our int8 mode
             models["nbits4_acc4"] = (nbits_chain(4, dim, layers), stream_bytes(4, 4, dim, layers))
             if bits == 8:
@@ -159,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=list(SUPPORTED_BITS))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 128])
+    parser.add_argument("--int8-scales", action="store_true", help="also time int8 scales with super-scales")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     # The kernels' default decode variant for every session: no tuning, no profile.

@@ -16,8 +16,10 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
   stored as the code ``q + 2^(b-1)`` (0 .. 2^b - 1); padding codes beyond K are ``2^(b-1)``
   (q = 0). For b = 4 that is two codes per byte, **even k in the low nibble**. ``pack`` /
   ``unpack`` are this byte order.
-* ``scales`` float32 or float16 ``[N, groups]``; any finite scale whose ``2^(b-1) * |scale|`` is
-  finite in float32.
+* ``scales`` float32, float16 or int8 ``[N, groups]``; any finite scale whose ``2^(b-1) * |scale|`` is
+  finite in float32. int8 scales q come with ``super_scales`` float16 ``[N, ceil(groups / SUPER_GROUPS)]``:
+  the scale of group g is ``float32(q) * float32(super_scales[n, g // SUPER_GROUPS]) / 128`` (exact in
+  float32; ``int8_scales`` makes both from float scales, ``scale_values`` reads them back).
 * ``bias`` (optional) float32 ``[N]``, finite.
 * ``compute`` (optional string, one of ``COMPUTE_MODES``; absent = ``"fp32"``); a session's
   config entry ``COMPUTE_CONFIG`` overrides it for every node.
@@ -26,7 +28,12 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
   projection (codes, scales and bias in that order), and the node outputs ``N/2`` channels,
   ``y = act(a @ W[:, :N/2]) * (a @ W[:, N/2:])`` (act by ``GATED_FORMULAS``).
 
-Dequantized, ``W[k, n] = float32(scales[n, k // group_size]) * (code(n, k) - 2^(b-1))``.
+Dequantized, ``W[k, n] = scale(n, k // group_size) * (code(n, k) - 2^(b-1))``, the scale
+``float32(scales[n, g])`` (float32 or float16) or the int8 product above.
+
+In Python a node's ``scales`` are always the values (float32 or float16 arrays; float32 for int8
+scales, with ``super_scales`` set): the int8 form is how ``to_node`` writes them and
+``from_node`` reads them, so code that computes with ``scales`` never sees the codes.
 
 How to grow it (each is rows/fields here, then the code that uses them):
 
@@ -38,7 +45,9 @@ How to grow it (each is rows/fields here, then the code that uses them):
   ``Int4Node.from_node`` checks the attribute form (``OPS``).
 * **A bit width**: add it to ``SUPPORTED_BITS``; ``pack``/``unpack`` and the shapes in
   ``Int4Node`` follow ``bits`` (the bit stream above holds any width up to 8).
-* **A scale dtype**: add it to ``SCALE_DTYPES`` (the ``scales`` row lists them).
+* **A scale dtype**: add it to ``SCALE_DTYPES`` (the ``scales`` row lists them); one that needs a
+  second tensor (int8: ``super_scales``) encodes in ``Int4Node.attributes`` and decodes in
+  ``from_node``, so that ``scales`` stay values everywhere else.
 """
 
 from __future__ import annotations
@@ -64,7 +73,12 @@ SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_BITS = 4
-SCALE_DTYPES = ("float32", "float16")
+SCALE_DTYPES = ("float32", "float16", "int8")
+# int8 scales: each group's scale is int8 q times the float16 super-scale d of its super-block of
+# SUPER_GROUPS groups (attribute ``super_scales``) over INT8_SCALE_ONE: float32(q) * (float32(d) / 128),
+# exact in float32 (a power of two, and an int8 times a float16).
+SUPER_GROUPS = 8
+INT8_SCALE_ONE = 128
 # Activations of a gated node (attribute ``gated``): y = act(A @ W_gate) * (A @ W_up), see GATED_FORMULAS.
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Each is act(g) = g / (1 + exp(-t(g))) with this t (gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
@@ -77,6 +91,7 @@ ATTR_GROUP_SIZE = "group_size"
 ATTR_BITS = "bits"
 ATTR_PACKED = "packed"
 ATTR_SCALES = "scales"
+ATTR_SUPER_SCALES = "super_scales"
 ATTR_BIAS = "bias"
 ATTR_COMPUTE = "compute"
 ATTR_GATED = "gated"
@@ -116,6 +131,60 @@ def code_offset(bits: int = DEFAULT_BITS) -> int:
 def q_range(bits: int = DEFAULT_BITS) -> tuple[int, int]:
     """The smallest and largest q of a width: ``-2^(bits-1)`` and ``2^(bits-1) - 1``."""
     return -code_offset(bits), code_offset(bits) - 1
+
+
+def supers_of(groups: int) -> int:
+    """Super-blocks of int8 scales along a row of ``groups`` groups: ``ceil(groups / SUPER_GROUPS)``."""
+    return -(-groups // SUPER_GROUPS)
+
+
+_FLOAT16_MAX = 65504.0
+
+
+def _per_group(super_scales: np.ndarray, groups: int) -> np.ndarray:
+    """float32 [N, groups]: each group's super-scale / INT8_SCALE_ONE (exact: a power of two)."""
+    d = np.asarray(super_scales, dtype=np.float16).astype(np.float32) / np.float32(INT8_SCALE_ONE)
+    return np.repeat(d, SUPER_GROUPS, axis=1)[:, :groups]
+
+
+def scale_values(scales: np.ndarray, super_scales: np.ndarray | None = None) -> np.ndarray:
+    """The scales the op computes with, float32 [N, groups]: ``scales``, or int8 ``scales`` times super-scales / 128."""
+    if super_scales is None:
+        return np.asarray(scales).astype(np.float32)
+    q = np.asarray(scales)
+    return q.astype(np.float32) * _per_group(super_scales, q.shape[1])
+
+
+def encode_int8_scales(values: np.ndarray, super_scales: np.ndarray, what: str = "scales") -> np.ndarray:
+    """The int8 scales whose ``scale_values`` with ``super_scales`` are ``values``; else ValueError naming ``what``."""
+    values = np.asarray(values, dtype=np.float32)
+    step = _per_group(super_scales, values.shape[1])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step != 0, np.rint(values / np.where(step != 0, step, 1)), 0)
+    if np.any(np.abs(q) > 127) or not np.array_equal(scale_values(q, super_scales), values):
+        raise ValueError(f"{what}: scales are not int8 multiples of their super_scales / {INT8_SCALE_ONE}")
+    return q.astype(np.int8)
+
+
+def int8_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """int8 ``q`` [N, groups] and float16 super-scales [N, supers] nearest ``scales``; None if float16 cannot hold one.
+
+    Each super-scale is its super-block's largest ``|scale|`` times 128/127 in float16, so the
+    largest q is about 127; ``scale_values(q, d)`` are the scales the op computes with.
+    """
+    s = np.asarray(scales, dtype=np.float32)
+    n, groups = s.shape
+    supers = supers_of(groups)
+    padded = np.zeros((n, supers * SUPER_GROUPS), dtype=np.float32)
+    padded[:, :groups] = np.abs(s)
+    top = padded.reshape(n, supers, SUPER_GROUPS).max(axis=2).astype(np.float64) * (INT8_SCALE_ONE / 127.0)
+    if np.any(top > _FLOAT16_MAX):
+        return None
+    d = top.astype(np.float16)
+    step = _per_group(d, groups)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint(s / np.where(step > 0, step, 1)), 0)
+    return np.clip(q, -127, 127).astype(np.int8), d
 
 
 def row_bytes(codes: int, bits: int = DEFAULT_BITS) -> int:
@@ -225,6 +294,10 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         meaning="codes q + 2^(b-1), each row a little-endian bit stream",
     ),
     Attribute(ATTR_SCALES, "tensor", SCALE_DTYPES, "[N, groups]", meaning="one scale per output channel and group"),
+    Attribute(
+        ATTR_SUPER_SCALES, "tensor", ("float16",), "[N, ceil(groups / 8)]", required=False,
+        meaning="with int8 scales only: scale = q * super_scales[n, g // 8] / 128",
+    ),
     Attribute(ATTR_BIAS, "tensor", ("float32",), "[N]", required=False, meaning="added to every output row"),
     Attribute(
         ATTR_COMPUTE,
@@ -251,6 +324,8 @@ class OpSpec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attributes: tuple[str, ...]
+    # Inputs that may follow ``inputs`` (int8 scales' super-scales of the input form).
+    optional_inputs: tuple[str, ...] = ()
 
     def attribute(self, name: str) -> Attribute:
         """The ATTRIBUTES row ``name`` of this op."""
@@ -259,16 +334,20 @@ class OpSpec:
 
 MATMUL = OpSpec(
     OP_TYPE, ("A",), ("Y",),
-    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_BIAS, ATTR_COMPUTE, ATTR_GATED),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_SUPER_SCALES, ATTR_BIAS, ATTR_COMPUTE,
+     ATTR_GATED),
 )
 OPS: Mapping[str, OpSpec] = {MATMUL.op_type: MATMUL}
 # The same codes and scales read as constant-initializer inputs instead of attributes, so that an
 # embedding table (CimInt4Gather) and the LM head tied to it hold one copy (docs/embeddings.md).
 MATMUL_SHARED = OpSpec(
     OP_TYPE, ("A", ATTR_PACKED, ATTR_SCALES), ("Y",),
-    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_BIAS, ATTR_COMPUTE),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_BIAS, ATTR_COMPUTE), (ATTR_SUPER_SCALES,),
 )
-GATHER = OpSpec(GATHER_OP_TYPE, (ATTR_PACKED, "indices", ATTR_SCALES), ("Y",), (ATTR_K, ATTR_GROUP_SIZE, ATTR_BITS))
+GATHER = OpSpec(
+    GATHER_OP_TYPE, (ATTR_PACKED, "indices", ATTR_SCALES), ("Y",), (ATTR_K, ATTR_GROUP_SIZE, ATTR_BITS),
+    (ATTR_SUPER_SCALES,),
+)
 
 
 def is_op_node(node: onnx.NodeProto, op: OpSpec = MATMUL) -> bool:
@@ -285,6 +364,8 @@ class Int4Node:
     ``bits=4`` no ``bits`` attribute (4 is its default); ``from_node`` fills in the defaults, so a
     read node always has ``group_size``, ``bits`` and ``compute``. ``gated`` (an activation of
     GATED_ACTIVATIONS, else None): ``n`` counts both halves, the node outputs ``outputs_n``.
+    ``super_scales`` (float16, else None): the node stores its ``scales`` (then float32 values of
+    ``scale_values``) as int8 with these super-scales.
     """
 
     name: str
@@ -300,6 +381,7 @@ class Int4Node:
     op: OpSpec = MATMUL
     bits: int = DEFAULT_BITS
     gated: str | None = None
+    super_scales: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> int:
@@ -311,11 +393,25 @@ class Int4Node:
         """Channels of the output: ``n``, or ``n / 2`` for a gated node."""
         return self.n // 2 if self.gated else self.n
 
+    @property
+    def stored_scales(self) -> np.ndarray:
+        """``scales`` as the node stores them: as they are, or int8 (ValueError if the values are not those codes)."""
+        if self.super_scales is None:
+            return self.scales
+        return encode_int8_scales(self.scales, self.super_scales, f"{self.op.op_type} node '{self.name}'")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the node's codes, stored scales and bias (what it streams per token)."""
+        scales = self.scales.size if self.super_scales is not None else self.scales.nbytes
+        extra = sum(a.nbytes for a in (self.super_scales, self.bias) if a is not None)
+        return self.packed.nbytes + scales + extra
+
     def attributes(self) -> dict[str, object]:
         """The node's attributes as ``helper.make_node`` keywords (tensors as TensorProtos named as the attribute)."""
         values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
-                  ATTR_PACKED: self.packed, ATTR_SCALES: self.scales, ATTR_BIAS: self.bias,
-                  ATTR_COMPUTE: self.compute, ATTR_GATED: self.gated}
+                  ATTR_PACKED: self.packed, ATTR_SCALES: self.stored_scales, ATTR_SUPER_SCALES: self.super_scales,
+                  ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute, ATTR_GATED: self.gated}
         return _attributes(self.op, values)
 
     def to_node(self) -> onnx.NodeProto:
@@ -357,6 +453,17 @@ class Int4Node:
         groups = groups_of(k, group_size)
         packed = _tensor(values, op.attribute(ATTR_PACKED), where, (n, row_bytes(groups * group_size, bits)))
         scales = _tensor(values, op.attribute(ATTR_SCALES), where, (n, groups))
+        super_scales = None
+        if scales.dtype == np.int8 or ATTR_SUPER_SCALES in values:
+            if scales.dtype != np.int8 or ATTR_SUPER_SCALES not in op.attributes:
+                raise ValueError(
+                    f"{where}attribute 'super_scales' is for int8 'scales' only, got {scales.dtype} scales"
+                )
+            super_scales = _tensor(values, op.attribute(ATTR_SUPER_SCALES), where, (n, supers_of(groups)))
+            if not np.all(np.isfinite(super_scales)):
+                row, col = np.argwhere(~np.isfinite(super_scales))[0]
+                raise ValueError(f"{where}attribute 'super_scales': [{row}, {col}] is not finite")
+            scales = scale_values(scales, super_scales)
         bias = _tensor(values, op.attribute(ATTR_BIAS), where, (n,)) if ATTR_BIAS in values else None
         offset = code_offset(bits)
         padding = unpack_codes(packed, bits)[:, k:]
@@ -374,7 +481,7 @@ class Int4Node:
             raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
         return cls(
             node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op,
-            bits, gated,
+            bits, gated, super_scales,
         )
 
 
@@ -383,8 +490,9 @@ class SharedInt4Node:
     """A node that reads its codes and scales as initializer inputs (named in ``inputs``): ``to_node()`` writes it.
 
     ``op`` is MATMUL_SHARED (inputs: activations, packed, scales) or GATHER (inputs: packed,
-    indices, scales); ``n``, ``bias`` and ``compute`` belong to the MatMul only (``compute=None``
-    writes no attribute). The tensors' layout is the attribute form's (``Int4Node``).
+    indices, scales), each with int8 scales' ``super_scales`` as a fourth input; ``n``, ``bias``
+    and ``compute`` belong to the MatMul only (``compute=None`` writes no attribute). The tensors'
+    layout is the attribute form's (``Int4Node``; int8 scales stored as int8).
     """
 
     name: str
@@ -400,8 +508,9 @@ class SharedInt4Node:
 
     def to_node(self) -> onnx.NodeProto:
         """The ONNX node (domain OP_DOMAIN)."""
-        if len(self.inputs) != len(self.op.inputs):
-            raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {self.op.inputs}, got {self.inputs}")
+        if not len(self.op.inputs) <= len(self.inputs) <= len(self.op.inputs) + len(self.op.optional_inputs):
+            expected = self.op.inputs + tuple(f"[{name}]" for name in self.op.optional_inputs)
+            raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {expected}, got {self.inputs}")
         values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
                   ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute}
         return _make_node(self.op, self.name, self.inputs, self.outputs, _attributes(self.op, values))

@@ -84,7 +84,17 @@ def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int
 
     packed, scales = attrs["packed"], attrs["scales"]
     bits = int(attrs.get("bits") or 4)
-    choice = int(rng.integers(0, 27))
+    choice = int(rng.integers(0, 28))
+    if choice == 27:
+        groups = scales.shape[1] if scales.ndim == 2 else 1
+        supers = -(-groups // 8)
+        options = [None, np.zeros((n, supers + 1), np.float16), np.zeros((n * supers,), np.float16),
+                   np.full((n, supers), np.nan, np.float16), np.full((n, supers), np.inf, np.float16),
+                   np.ones((n, supers), np.float32), np.ones((n, supers), np.float16)]
+        attrs["super_scales"] = _pick(rng, options)
+        value = attrs["super_scales"]
+        kind = "missing" if value is None else f"{value.dtype} {list(value.shape)}"
+        return f"super_scales {kind} (scales {scales.dtype})"
     if choice == 26:
         attrs["gated"] = _pick(rng, ["silu", "gelu_tanh", "relu", "", 3])
         return f"gated={attrs['gated']!r} (N={n})"
@@ -115,6 +125,10 @@ def _attr_mutation(rng: np.random.Generator, attrs: dict, k: int, n: int, g: int
     if choice == 5:
         attrs["group_size"] = int(rng.choice([1, 2, 8, 24, 48, 512, 1024] + [x for x in GROUP_SIZES if x != g]))
         return f"group_size={attrs['group_size']} (data for {g})"
+    if choice in (6, 7, 8) and scales.dtype == np.int8:  # scale values: mutated in float32 form, no super-scales
+        from cim_int4.contract import scale_values
+
+        scales = scale_values(scales, attrs.pop("super_scales"))
     if choice == 6:
         s = scales.copy()
         s.flat[int(rng.integers(s.size))] = rng.choice([np.nan, np.inf, -np.inf])
@@ -238,6 +252,13 @@ def make_case(seed: int, kernels: tuple[str, ...] = ("auto",)) -> Case:
         attrs["bits"] = bits
     if rng.random() < 0.3:
         attrs["bias"] = rng.standard_normal(n).astype(np.float32)
+    if rng.random() < 0.2:  # int8 scales with float16 super-scales
+        from cim_int4.contract import int8_scales
+
+        encoded = int8_scales(scales.astype(np.float32))
+        if encoded is not None:
+            attrs["scales"], attrs["super_scales"] = encoded
+            scales = attrs["scales"]
     kernel = str(rng.choice(kernels))
     threads = int(rng.choice([1, 2]))
     mutate = rng.random() < 0.6
@@ -297,6 +318,16 @@ def _check_output(case: Case, y: np.ndarray) -> str | None:
             raise ValueError(f"gated={gated!r} with N={n}")
         if not isinstance(bits, int) or bits not in BITS:
             raise ValueError(f"bits={bits!r}")
+        super_scales = attrs.get("super_scales")
+        if scales.dtype == np.int8 or super_scales is not None:  # int8 scales: their values, as the contract reads them
+            from cim_int4.contract import scale_values, supers_of
+
+            super_scales = np.asarray(super_scales)
+            if scales.dtype != np.int8 or scales.ndim != 2 or super_scales.dtype != np.float16:
+                raise ValueError(f"scales {scales.dtype} with super_scales {super_scales.dtype}")
+            if super_scales.shape != (n, supers_of(scales.shape[1])) or not np.isfinite(super_scales).all():
+                raise ValueError(f"super_scales {list(super_scales.shape)} for scales {list(scales.shape)}")
+            scales = scale_values(scales, super_scales)
         if packed.dtype != np.uint8 or scales.dtype not in (np.float32, np.float16) or packed.shape[0] != n:
             raise ValueError(f"packed {packed.dtype} {packed.shape}, scales {scales.dtype}")
         if compute not in (None, *reference.COMPUTE_MODES):

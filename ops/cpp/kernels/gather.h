@@ -2,8 +2,10 @@
 //
 // The table is the same codes/scales pair a CimInt4MatMul reads (repack.h documents it):
 // `packed` uint8 [rows, K_padded * bits / 8], each row one little-endian bit stream of
-// codes q + 2^(bits-1); `scales` float32 or float16 [rows, groups]. Row r dequantizes to
-//   y[k] = float32(scales[r, k / group_size]) * float(code(r, k) - 2^(bits-1))   (k < K)
+// codes q + 2^(bits-1); `scales` float32, float16 or int8 [rows, groups] (int8: times the
+// float16 `super_scales` [rows, ceil(groups / kSuperGroups)] / 128, an exact product). Row r
+// dequantizes to
+//   y[k] = scale(r, k / group_size) * float(code(r, k) - 2^(bits-1))   (k < K)
 // one float32 product, so it is exact to the last bit against the NumPy reference.
 #pragma once
 
@@ -13,8 +15,9 @@ namespace cim {
 
 struct Int4Table {
   const uint8_t* packed = nullptr;  // [rows, groups * group_size * bits / 8]
-  const void* scales = nullptr;     // [rows, groups], float32 or (scales_f16) float16 bits
-  bool scales_f16 = false;
+  const void* scales = nullptr;     // [rows, groups] of scale_type (kernel.h's ScaleType)
+  int scale_type = 0;               // kScaleF32
+  const uint16_t* super_scales = nullptr;  // int8 scales: float16 bits [rows, ceil(groups / kSuperGroups)]
   int bits = 4;
   int64_t rows = 0;
   int64_t K = 0;  // row width after dequantization

@@ -26,8 +26,13 @@ constexpr int64_t kStripTiles = 4;
 // strip; within a strip group after group, and within a group the strip's tiles in
 // order, so decode, which runs a strip's tiles side by side, reads one stream front to
 // back. One (tile, group) block is `block_bytes`: the group's codes, then the tile's 16
-// scales (float32, 64 bytes, or float16 as given, 32 bytes: converted in registers, so
-// the bytes saved are bytes not read).
+// scales as given: float32 (64 bytes), float16 (32 bytes) or int8 (16 bytes), converted
+// in registers, so the bytes saved are bytes not read. An int8 scale q stands for
+// float32(q) * (d / 128), d the channel's float16 super-scale of its kSuperGroups groups:
+// d / 128 and its product with an int8 are exact in float32, so every path computes the
+// same scale bit for bit. The super-scales stay in the one stream: within a strip, each
+// run of kSuperGroups groups starts with a record of the strip's tiles' 16 float16
+// super-scales each (32 bytes a tile), so decode still reads front to back.
 //
 // Codes of b bits (b = `bits`, code = q + 2^(b-1)) are split into a low plane of
 // lo bits and a high plane of hi bits (planes_of: 2 = 2, 3 = 2 + 1, 4 = 4, 5 = 4 + 1,
@@ -66,9 +71,17 @@ constexpr int64_t high_rows(int bits, int64_t group_size) {
 constexpr int64_t chunk_bytes(int bits, int64_t group_size) {
   return (low_rows(bits, group_size) + high_rows(bits, group_size)) * kCodeRowBytes;
 }
+// How a block stores its scales (the `scales` attribute's element type).
+enum ScaleType : int { kScaleF32 = 0, kScaleF16 = 1, kScaleI8 = 2 };
+constexpr int64_t scale_size_of(int scale_type) { return scale_type == kScaleI8 ? 1 : scale_type == kScaleF16 ? 2 : 4; }
+// Groups that share one int8-scale super-scale (contract.SUPER_GROUPS), and the int8
+// scale that stands for the whole super-scale (contract.INT8_SCALE_ONE: a power of two).
+constexpr int64_t kSuperGroups = 8;
+constexpr float kInt8ScaleOne = 128.0f;
+
 // Bytes of one (tile, group) block.
-constexpr int64_t block_bytes_of(int bits, int64_t group_size, bool scales_f16) {
-  return group_size / chunk_codes(group_size) * chunk_bytes(bits, group_size) + kTileN * (scales_f16 ? 2 : 4);
+constexpr int64_t block_bytes_of(int bits, int64_t group_size, int scale_type) {
+  return group_size / chunk_codes(group_size) * chunk_bytes(bits, group_size) + kTileN * scale_size_of(scale_type);
 }
 
 // How many dot4 steps of codes of `bits` bits (u8 codes up to 2^bits - 1 times s8
@@ -83,9 +96,11 @@ struct PackedWeights {
   int64_t group_size = 0;
   int64_t groups = 0;       // ceil(K / group_size)
   int64_t tiles = 0;        // ceil(N / 16)
-  int64_t block_bytes = 0;  // block_bytes_of(bits, group_size, scales_f16)
+  int64_t block_bytes = 0;  // block_bytes_of(bits, group_size, scale_type)
   int bits = 4;             // code width b
-  bool scales_f16 = false;  // the blocks' scales are float16 (else float32)
+  int scale_type = kScaleF32;  // how the blocks store their scales (ScaleType)
+  // Bytes of one tile's super-scale record (int8 scales: 16 float16, zero past N; else 0).
+  int64_t super_bytes = 0;
   const uint8_t* stream = nullptr;
   const float* bias = nullptr;  // [tiles * 16] (zero past N) or nullptr
 
@@ -94,10 +109,23 @@ struct PackedWeights {
   __attribute__((always_inline)) const uint8_t* block(int64_t tile, int64_t group) const {
     const int64_t strip0 = tile / kStripTiles * kStripTiles;
     const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
-    return stream + (strip0 * groups + group * width + (tile - strip0)) * block_bytes;
+    return stream + strip0 * strip_bytes_per_tile() + (group / kSuperGroups + 1) * width * super_bytes +
+           (group * width + (tile - strip0)) * block_bytes;
+  }
+  // The float16 super-scales of tile `tile` that group `group`'s int8 scales multiply.
+  __attribute__((always_inline)) const uint8_t* super_of(int64_t tile, int64_t group) const {
+    const int64_t strip0 = tile / kStripTiles * kStripTiles;
+    const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
+    const int64_t run = group / kSuperGroups;
+    return stream + strip0 * strip_bytes_per_tile() + run * width * (super_bytes + kSuperGroups * block_bytes) +
+           (tile - strip0) * super_bytes;
+  }
+  // Bytes of the stream per tile (its blocks and super-scale records); the whole stream is tiles times this.
+  __attribute__((always_inline)) int64_t strip_bytes_per_tile() const {
+    return groups * block_bytes + (groups + kSuperGroups - 1) / kSuperGroups * super_bytes;
   }
   // Bytes of a block before its scales.
-  __attribute__((always_inline)) int64_t code_bytes() const { return block_bytes - kTileN * (scales_f16 ? 2 : 4); }
+  __attribute__((always_inline)) int64_t code_bytes() const { return block_bytes - kTileN * scale_size_of(scale_type); }
 };
 
 // Where the codes of channel c at offset j (0 .. group_size - 1) of a block lie: the code
@@ -107,9 +135,10 @@ struct CodeSpot {
   int lo_shift, hi_shift;
 };
 CodeSpot code_spot(int bits, int64_t group_size, int64_t c, int64_t j);
-// The code (0 .. 2^bits - 1) of channel c at offset j of a block, and the block's scale of channel c.
+// The code (0 .. 2^bits - 1) of channel c at offset j of a block, and the scale of channel c
+// in block (tile, group).
 int code_in_block(const PackedWeights& w, const uint8_t* block, int64_t c, int64_t j);
-float scale_in_block(const PackedWeights& w, const uint8_t* block, int64_t c);
+float scale_of(const PackedWeights& w, int64_t tile, int64_t group, int64_t c);
 // float16 bits to float32, exactly (every float16 is a float32), without compiler support for _Float16.
 float half_to_float(uint16_t h);
 

@@ -61,9 +61,14 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-float scale_in_block(const PackedWeights& w, const uint8_t* block, int64_t c) {
-  const uint8_t* p = block + w.code_bytes();
-  if (w.scales_f16) {
+float scale_of(const PackedWeights& w, int64_t tile, int64_t group, int64_t c) {
+  const uint8_t* p = w.block(tile, group) + w.code_bytes();
+  if (w.scale_type == kScaleI8) {
+    uint16_t h;
+    std::memcpy(&h, w.super_of(tile, group) + 2 * c, sizeof h);
+    return static_cast<float>(static_cast<int8_t>(p[c])) * (half_to_float(h) / kInt8ScaleOne);  // both exact
+  }
+  if (w.scale_type == kScaleF16) {
     uint16_t h;
     std::memcpy(&h, p + 2 * c, sizeof h);
     return half_to_float(h);
@@ -110,7 +115,7 @@ void matmul_fp32_portable(const MatMulArgs& args, int64_t tile_begin, int64_t ti
       for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
         sum = std::fma(read_float(a + k0 + j), static_cast<float>(code_in_block(w, block, c, j) - offset), sum);
       }
-      acc = std::fma(sum, scale_in_block(w, block, c), acc);
+      acc = std::fma(sum, scale_of(w, t, g, c), acc);
     }
     return acc;
   });
@@ -128,7 +133,7 @@ void matmul_int8_portable(const MatMulArgs& args, int64_t tile_begin, int64_t ti
       const int8_t* q = qa.q + m * k_padded + g * w.group_size;
       int32_t dot = -offset * qa.qsum[m * w.groups + g];
       for (int64_t j = 0; j < w.group_size; ++j) dot += int32_t(q[j]) * code_in_block(w, block, c, j);
-      const float scale = qa.scale[m * w.groups + g] * scale_in_block(w, block, c);
+      const float scale = qa.scale[m * w.groups + g] * scale_of(w, t, g, c);
       acc = std::fma(static_cast<float>(dot), scale, acc);
     }
     return acc;
@@ -194,7 +199,7 @@ void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t til
       double sum = 0.0;
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* block = w.block(t, g);
-        const double scale = scale_in_block(w, block, c);
+        const double scale = scale_of(w, t, g, c);
         const int64_t k0 = g * w.group_size;
         for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
           sum += double(read_float(a + k0 + j)) * (double(code_in_block(w, block, c, j) - offset) * scale);

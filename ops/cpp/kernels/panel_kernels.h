@@ -66,7 +66,7 @@ struct PanelKernels {
   };
 
   // One tile's groups [g0, g1): the floats c - 8 per input and channel, and the groups' scales.
-  template <bool kF16>
+  template <int kSc>
   static void make_panel(const PackedWeights& w, int64_t t0, int64_t g0, int64_t g1, float* panel, float* scales) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[1] = {w.block(t0, g)};
@@ -81,7 +81,7 @@ struct PanelKernels {
         }
       }
       for (int x = 0; x < kVecs; ++x) {
-        S::store(scales + (g - g0) * kTileN + x * S::kLanes, T::template scales_of<1, kF16>(w, blk, x));
+        S::store(scales + (g - g0) * kTileN + x * S::kLanes, T::template scales_of<1, kSc>(w, blk, t0, g, x));
       }
     }
   }
@@ -172,7 +172,7 @@ struct PanelKernels {
 
   // False when it did nothing (too few rows, or no memory for its scratch): the caller
   // then runs prefill by block.
-  template <bool kF16>
+  template <int kSc>
   static bool prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     if (args.M < kMinRows || w.group_size < 16 || w.group_size > kPanelK) return false;  // scales: >= 16
@@ -190,7 +190,7 @@ struct PanelKernels {
         pack_a(args, s0, s1, k0, len, s.a);
         for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
           const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
-          for (int64_t t = n0; t < n1; ++t) make_panel<kF16>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
+          for (int64_t t = n0; t < n1; ++t) make_panel<kSc>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
           for (int64_t b = 0; b < row_blocks(s0, s1); ++b) {
             const int64_t m0 = row_of(s0, s1, b);
             const int64_t n = row_of(s0, s1, b + 1) - m0;

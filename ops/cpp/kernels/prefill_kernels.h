@@ -49,7 +49,7 @@ struct PrefillKernels {
   template <class Fm>
   static void prefill(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     if constexpr (S::kPrefillPanel && !Fm::kInt8 && Fm::kBits == 4) {
-      if (PanelKernels<S>::template prefill<Fm::kF16>(args, tile_begin, tile_end)) return;
+      if (PanelKernels<S>::template prefill<Fm::kSc>(args, tile_begin, tile_end)) return;
     }
     const PackedWeights& w = *args.W;
     constexpr int NT = S::kPrefillTiles;

@@ -15,10 +15,18 @@
 namespace cim {
 namespace {
 
+static_assert(kSuperGroups == contract::kSuperGroups && kInt8ScaleOne == contract::kInt8ScaleOne,
+              "kernel.h's int8 scales disagree with the contract");
 constexpr int64_t kAlign = 64;
 
-float scale_at(const void* scales, bool f16, int64_t i) {
-  if (f16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
+// Scale i of the attribute (row-major [N, groups]) as the kernels read it.
+float scale_at(const void* scales, int scale_type, const uint16_t* super_scales, int64_t groups, int64_t i) {
+  if (scale_type == kScaleI8) {
+    const int64_t supers = (groups + kSuperGroups - 1) / kSuperGroups;
+    const float d = half_to_float(super_scales[i / groups * supers + i % groups / kSuperGroups]) / kInt8ScaleOne;
+    return static_cast<float>(static_cast<const int8_t*>(scales)[i]) * d;  // both exact
+  }
+  if (scale_type == kScaleF16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
   return static_cast<const float*>(scales)[i];
 }
 
@@ -31,7 +39,7 @@ void* aligned_bytes(int64_t bytes) {
 }
 
 std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
-                             const void* scales, bool scales_f16, const float* bias) {
+                             const void* scales, int scale_type, const uint16_t* super_scales, const float* bias) {
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t k_padded = groups * group_size;
   const int64_t in_row_bytes = k_padded * bits / 8;
@@ -49,11 +57,23 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
       }
     }
   }
+  if (scale_type == kScaleI8) {
+    const int64_t supers = (groups + kSuperGroups - 1) / kSuperGroups;
+    for (int64_t i = 0; i < N * supers; ++i) {
+      const float d = half_to_float(super_scales[i]);
+      if (!std::isfinite(d)) {
+        std::ostringstream msg;
+        msg << "attribute 'super_scales': value " << d << " at row " << i / supers << ", super-block " << i % supers
+            << " is not finite";
+        return msg.str();
+      }
+    }
+  }
   for (int64_t i = 0; i < N * groups; ++i) {
     // Any sign (ORT's and llama.cpp's symmetric rule map the largest-magnitude weight to
     // -2^(b-1), so the scale takes its sign); 2^(b-1)*|scale| bounds every dequantized
     // weight, so it must be finite too (a finite float16 always is).
-    const float s = scale_at(scales, scales_f16, i);
+    const float s = scale_at(scales, scale_type, super_scales, groups, i);
     if (!std::isfinite(s) || !std::isfinite(float(offset) * s)) {
       std::ostringstream msg;
       msg << "attribute 'scales': value " << s << " at row " << i / groups << ", group " << i % groups
@@ -142,59 +162,66 @@ bool is_supported_bits(int64_t bits) {
 }
 
 std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
-                                 const void* scales, bool scales_f16, const float* bias) {
-  std::string problem = check_attributes(K, N, group_size, bits, packed, scales, scales_f16, bias);
+                                 const void* scales, int scale_type, const uint16_t* super_scales,
+                                 const float* bias) {
+  std::string problem = check_attributes(K, N, group_size, bits, packed, scales, scale_type, super_scales, bias);
   if (!problem.empty()) return problem;
 
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t in_row_bytes = groups * group_size * bits / 8;
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  const int64_t block_bytes = block_bytes_of(bits, group_size, scales_f16);
-  const int64_t code_bytes = block_bytes - kTileN * (scales_f16 ? 2 : 4);
-  stream_bytes_ = tiles * groups * block_bytes;
+  const int64_t scale_size = scale_size_of(scale_type);
+  const int64_t supers = scale_type == kScaleI8 ? (groups + kSuperGroups - 1) / kSuperGroups : 0;
+  w_ = PackedWeights{};
+  w_.K = K;
+  w_.N = N;
+  w_.group_size = group_size;
+  w_.groups = groups;
+  w_.tiles = (N + kTileN - 1) / kTileN;
+  w_.block_bytes = block_bytes_of(bits, group_size, scale_type);
+  w_.bits = bits;
+  w_.scale_type = scale_type;
+  w_.super_bytes = supers > 0 ? kTileN * 2 : 0;
+  const int64_t code_bytes = w_.code_bytes();
+  stream_bytes_ = w_.tiles * w_.strip_bytes_per_tile();
   stream_.reset(static_cast<uint8_t*>(allocate_stream(stream_bytes_)));
+  w_.stream = stream_.get();
+  // Every byte is written below except in the super-scale records (padding channels: zero).
+  if (supers > 0) std::memset(stream_.get(), 0, static_cast<size_t>(stream_bytes_));
 
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = 0; t < w_.tiles; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t strip0 = t / kStripTiles * kStripTiles;
-      const int64_t width = tiles - strip0 < kStripTiles ? tiles - strip0 : kStripTiles;
-      uint8_t* block = stream_.get() + (strip0 * groups + g * width + (t - strip0)) * block_bytes;
+      auto* block = const_cast<uint8_t*>(w_.block(t, g));
       if (bits == 4) {
         write_block_codes_4bit(block, packed, in_row_bytes, t, g, N, group_size);
       } else {
         std::memset(block, 0, static_cast<size_t>(code_bytes));
         write_block_codes(block, packed, in_row_bytes, t, g, N, group_size, bits);
       }
-      // Scales as given (float16 stays float16); padding channels get scale 0.
-      const size_t scale_size = scales_f16 ? 2 : 4;
+      // Scales as given (float16 stays float16, int8 int8); padding channels get scale 0.
       for (int64_t c = 0; c < kTileN; ++c) {
         const int64_t n = t * kTileN + c;
-        uint8_t* dst = block + code_bytes + c * int64_t(scale_size);
+        uint8_t* dst = block + code_bytes + c * scale_size;
         if (n < N) {
-          std::memcpy(dst, static_cast<const uint8_t*>(scales) + (n * groups + g) * int64_t(scale_size), scale_size);
+          std::memcpy(dst, static_cast<const uint8_t*>(scales) + (n * groups + g) * scale_size, size_t(scale_size));
         } else {
-          std::memset(dst, 0, scale_size);
+          std::memset(dst, 0, size_t(scale_size));
+        }
+      }
+      // A run of kSuperGroups groups starts with its super-scale record (float16 as given).
+      if (supers > 0 && g % kSuperGroups == 0) {
+        auto* record = const_cast<uint8_t*>(w_.super_of(t, g));
+        for (int64_t c = 0; c < kTileN && t * kTileN + c < N; ++c) {
+          std::memcpy(record + 2 * c, super_scales + (t * kTileN + c) * supers + g / kSuperGroups, 2);
         }
       }
     }
   }
   if (bias != nullptr) {
-    bias_bytes_ = tiles * kTileN * int64_t(sizeof(float));
+    bias_bytes_ = w_.tiles * kTileN * int64_t(sizeof(float));
     bias_.reset(static_cast<float*>(aligned_bytes(bias_bytes_)));
     std::memset(bias_.get(), 0, static_cast<size_t>(bias_bytes_));
     std::memcpy(bias_.get(), bias, static_cast<size_t>(N) * sizeof(float));
   }
-
-  w_ = PackedWeights{};
-  w_.K = K;
-  w_.N = N;
-  w_.group_size = group_size;
-  w_.groups = groups;
-  w_.tiles = tiles;
-  w_.block_bytes = block_bytes;
-  w_.bits = bits;
-  w_.scales_f16 = scales_f16;
-  w_.stream = stream_.get();
   w_.bias = bias_.get();
   return {};
 }

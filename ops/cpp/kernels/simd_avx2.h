@@ -91,6 +91,10 @@ struct Avx2 {
   static F load_f16(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // int8 scales of one vector as floats (exact: vpmovsxbd, vcvtdq2ps).
+  static F load_i8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
 
   // Byte-plane unpacking for the widths other than 4 (plane_kernels.h).
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }

@@ -82,6 +82,10 @@ struct Avx512 {
   static F load_f16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // int8 scales of one vector as floats (exact: vpmovsxbd, vcvtdq2ps).
+  static F load_i8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 
   // Byte-plane unpacking for the widths other than 4 (plane_kernels.h).
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }

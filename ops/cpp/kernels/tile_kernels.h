@@ -10,7 +10,8 @@
 // kVecs = 16 / S::kLanes vectors per tile). Both compute modes perform, per output, the
 // arithmetic of the portable kernel and ops/reference.py's `emulate`, so every path,
 // block shape, M and N split gives the same bits (o = 2^(bits-1), 8 for 4-bit codes;
-// float16 scales are converted exactly, vcvtph2ps):
+// float16 scales are converted exactly, vcvtph2ps; int8 ones, vpmovsxbd + vcvtdq2ps, times
+// their float32 super-scale / 128, an exact product: scales_of):
 //   fp32: per group  t = fma(a_k, c_k - o, t) for k in order;  acc = fma(t, scale, acc)
 //   int8: per group  d = -o * sum q_k + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
 // 4-bit codes run the loops below, tuned per core (variants.h); the other widths unpack
@@ -66,11 +67,16 @@ struct TileKernels {
     }
   }
 
-  // The tile scales of a block, vector x of NT * kVecs (float16 ones converted in registers).
-  template <int NT, bool kF16>
-  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int x) {
+  // The scales of group g of tiles t0 .. t0 + NT - 1, vector x of NT * kVecs (float16 and
+  // int8 ones converted in registers; an int8 scale times its super-scale / 128 is exact).
+  template <int NT, int kSc>
+  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g, int x) {
     const uint8_t* s = blk[x / kVecs] + w.code_bytes();
-    if constexpr (kF16) {
+    if constexpr (kSc == kScaleI8) {
+      const F d = S::mul(S::load_f16(w.super_of(t0 + x / kVecs, g) + (x % kVecs) * S::kLanes * 2),
+                         S::set1(1.0f / kInt8ScaleOne));
+      return S::mul(S::load_i8(s + (x % kVecs) * S::kLanes), d);
+    } else if constexpr (kSc == kScaleF16) {
       return S::load_f16(s + (x % kVecs) * S::kLanes * 2);
     } else {
       return S::load(reinterpret_cast<const float*>(s) + (x % kVecs) * S::kLanes);
@@ -150,7 +156,7 @@ struct TileKernels {
     });
   }
 
-  template <int kBits, bool kF16, int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
+  template <int kBits, int kSc, int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
   static void fp32_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     F acc[R][NT * kVecs];
@@ -183,7 +189,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kF16>(w, blk, x);
+        const F s = scales_of<NT, kSc>(w, blk, t0, g, x);
         for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
       }
     }
@@ -211,7 +217,7 @@ struct TileKernels {
     }
   }
 
-  template <int kBits, bool kF16, int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
+  template <int kBits, int kSc, int NT, int R, int64_t kAhead = kPrefetchInt8, int kHint = _MM_HINT_T0>
   static void int8_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
@@ -257,7 +263,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kF16>(w, blk, x);
+        const F s = scales_of<NT, kSc>(w, blk, t0, g, x);
         for (int r = 0; r < R; ++r) {
           const F scale = S::mul(S::set1(qa.scale[(m0 + r) * w.groups + g]), s);
           acc[r][x] = S::fma(S::cvt(d[r][x]), scale, acc[r][x]);
@@ -274,7 +280,7 @@ struct TileKernels {
   // inside the loop. Without VNNI the products go through int16 pair sums (pair_dot). The
   // integer sums are exact in any order, and each output gets the same float operations
   // in the same order as in int8_block.
-  template <int kBits, bool kF16, int NT, int64_t kAhead, int kHint>
+  template <int kBits, int kSc, int NT, int64_t kAhead, int kHint>
   static void int8_narrow(const MatMulArgs& args, int64_t t0) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
@@ -290,17 +296,18 @@ struct TileKernels {
       const F a_scale = S::set1(qa.scale[g]);
       if constexpr (kBits == 4) {
         if (chunks == 0) {  // group size 16: two code rows
-          narrow_chunk<kF16, NT, 2>(w, blk, q, 0, z, a_scale, true, true, partial, sums);
+          narrow_chunk<kSc, NT, 2>(w, blk, t0, g, q, 0, z, a_scale, true, true, partial, sums);
         } else {
           for (int64_t c = 0; c < chunks; ++c) {
-            narrow_chunk<kF16, NT, 4>(w, blk, q + 32 * c, 4 * c, z, a_scale, c == 0, c == chunks - 1, partial, sums);
+            narrow_chunk<kSc, NT, 4>(w, blk, t0, g, q + 32 * c, 4 * c, z, a_scale, c == 0, c == chunks - 1, partial,
+                                     sums);
           }
         }
       } else {
         static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
           constexpr int x = decltype(xc)::value;
           const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
-          narrow_store<kF16, NT>(w, blk, x, d, a_scale, sums);
+          narrow_store<kSc, NT>(w, blk, t0, g, x, d, a_scale, sums);
         });
       }
     }
@@ -310,20 +317,20 @@ struct TileKernels {
   }
 
   // A group's integer sums d of vector x through the scales into `sums`.
-  template <bool kF16, int NT>
-  static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&blk)[NT], int x, I d, F a_scale,
-                                      float* sums) {
-    const F scale = S::mul(a_scale, scales_of<NT, kF16>(w, blk, x));
+  template <int kSc, int NT>
+  static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
+                                      int x, I d, F a_scale, float* sums) {
+    const F scale = S::mul(a_scale, scales_of<NT, kSc>(w, blk, t0, g, x));
     S::store(sums + x * S::kLanes, S::fma(S::cvt(d), scale, S::load(sums + x * S::kLanes)));
   }
 
   // kRows code rows (8 * kRows codes, at most pair_steps(4) / 2 rows per flush) from row v0
   // of the NT blocks, activations q; the first chunk of a group starts from z, the last
   // one's sums go through the scales into `sums`.
-  template <bool kF16, int NT, int kRows>
-  static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q,
-                                      int64_t v0, I z, F a_scale, bool first, bool last, int32_t* partial,
-                                      float* sums) {
+  template <int kSc, int NT, int kRows>
+  static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
+                                      const int8_t* q, int64_t v0, I z, F a_scale, bool first, bool last,
+                                      int32_t* partial, float* sums) {
     static_assert(2 * kRows <= pair_steps(4), "int16 pair sums could saturate");
     I qv[2 * kRows];
     for (int r = 0; r < 2 * kRows; ++r) qv[r] = S::set1_i32(load_i32(q + 4 * r));
@@ -338,7 +345,7 @@ struct TileKernels {
       int32_t* p = partial + x * S::kLanes;
       const I d = S::pair_flush(first ? z : S::loadi(reinterpret_cast<const uint8_t*>(p)), s);
       if (last) {
-        narrow_store<kF16, NT>(w, blk, x, d, a_scale, sums);
+        narrow_store<kSc, NT>(w, blk, t0, g, x, d, a_scale, sums);
       } else {
         S::storei(reinterpret_cast<uint8_t*>(p), d);
       }
@@ -347,11 +354,11 @@ struct TileKernels {
 
   // ---- drivers -----------------------------------------------------------------------
 
-  // The compile-time choices of one call: code width, float16 scales, compute mode.
-  template <int kBitsArg, bool kF16Arg, bool kInt8Arg>
+  // The compile-time choices of one call: code width, scale type (ScaleType), compute mode.
+  template <int kBitsArg, int kScArg, bool kInt8Arg>
   struct Form {
     static constexpr int kBits = kBitsArg;
-    static constexpr bool kF16 = kF16Arg;
+    static constexpr int kSc = kScArg;
     static constexpr bool kInt8 = kInt8Arg;
   };
 
@@ -359,9 +366,9 @@ struct TileKernels {
             int kHint = _MM_HINT_T0>
   static CIM_INLINE void block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     if constexpr (Fm::kInt8) {
-      int8_block<Fm::kBits, Fm::kF16, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
+      int8_block<Fm::kBits, Fm::kSc, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     } else {
-      fp32_block<Fm::kBits, Fm::kF16, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
+      fp32_block<Fm::kBits, Fm::kSc, NT, R, kAhead, kHint>(args, t0, m0, g0, g1);
     }
   }
 
@@ -375,8 +382,8 @@ struct TileKernels {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
     if constexpr (kNarrow && Fm::kInt8) {
-      for (; t + NT <= tile_end; t += NT) int8_narrow<Fm::kBits, Fm::kF16, NT, kAhead, kHint>(args, t);
-      for (; t < tile_end; ++t) int8_narrow<Fm::kBits, Fm::kF16, 1, kAhead, kHint>(args, t);  // a short last strip
+      for (; t + NT <= tile_end; t += NT) int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint>(args, t);
+      for (; t < tile_end; ++t) int8_narrow<Fm::kBits, Fm::kSc, 1, kAhead, kHint>(args, t);  // a short last strip
       return;
     }
     for (; t + NT <= tile_end; t += NT) block<Fm, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);

@@ -25,23 +25,23 @@ namespace {
 
 // A variant's matmul for codes of kBits bits: decode with traits D (the table's own S, or
 // its 256-bit form) and these parameters at M = 1; S's prefill otherwise (one prefill per
-// table). The weights' scale dtype picks the instantiation (once per call).
+// table). The weights' scale type picks the instantiation (once per call).
 template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
 void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
-  auto run = [&](auto f16) {
-    constexpr bool kF16 = decltype(f16)::value;
+  auto run = [&](auto sc) {
+    constexpr int kSc = decltype(sc)::value;
     if (args.M == 1) {
-      using Fm = typename TileKernels<D>::template Form<kBits, kF16, kInt8>;
+      using Fm = typename TileKernels<D>::template Form<kBits, kSc, kInt8>;
       TileKernels<D>::template decode<Fm, NT, kAhead, kHint, kNarrow>(args, tile_begin, tile_end);
     } else {
-      using Fm = typename TileKernels<S>::template Form<kBits, kF16, kInt8>;
+      using Fm = typename TileKernels<S>::template Form<kBits, kSc, kInt8>;
       PrefillKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
     }
   };
-  if (args.W->scales_f16) {
-    run(std::true_type{});
-  } else {
-    run(std::false_type{});
+  switch (args.W->scale_type) {
+    case kScaleF16: run(std::integral_constant<int, kScaleF16>{}); break;
+    case kScaleI8: run(std::integral_constant<int, kScaleI8>{}); break;
+    default: run(std::integral_constant<int, kScaleF32>{}); break;
   }
 }
 

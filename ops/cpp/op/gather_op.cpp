@@ -1,5 +1,5 @@
 // CimInt4Gather for ONNX Runtime: Y = dequantize(table)[indices] with the table as inputs
-// (packed codes, scales), so one table can serve this op and a CimInt4MatMul (a tied LM
+// (packed codes, scales, and int8 scales' super_scales), so one table can serve this op and a CimInt4MatMul (a tied LM
 // head). Inputs are read in place on every call (nothing copied at load); indices are
 // checked before any row is read, with ONNX Gather's rule for negative indices.
 #include "op/gather_op.h"
@@ -17,7 +17,7 @@
 namespace cim_op {
 namespace {
 
-constexpr size_t kData = 0, kIndices = 1, kScales = 2;
+constexpr size_t kData = 0, kIndices = 1, kScales = 2, kSuper = 3;
 
 struct TensorView {
   ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -51,12 +51,16 @@ class GatherKernel {
       attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", expected one of " + cim::contract::kBitsText);
     }
     bits_ = static_cast<int>(bits);
-    if (attrs.input_count() != 3) {
-      attrs.fail("has " + std::to_string(attrs.input_count()) + " inputs, expected 3 (packed, indices, scales)");
+    inputs_ = attrs.input_count();
+    if (inputs_ != 3 && inputs_ != 4) {
+      attrs.fail("has " + std::to_string(inputs_) +
+                 " inputs, expected 3 (packed, indices, scales) or 4 (packed, indices, int8 scales, super_scales)");
     }
     ranges_ = parallel_ranges(SessionConfig(info));
     // A table that is a constant initializer is checked now, so a bad file fails at load.
-    for (size_t slot : {kData, kScales}) {
+    TensorView constant[4];
+    for (size_t slot : {kData, kScales, kSuper}) {
+      if (slot >= inputs_) continue;
       int is_constant = 0;
       const OrtValue* value = nullptr;
       if (OrtStatus* s = g_api->KernelInfoGetConstantInput_tensor(info, slot, &is_constant, &value)) {
@@ -64,16 +68,17 @@ class GatherKernel {
         return;
       }
       if (!is_constant || value == nullptr) return;
-      (slot == kData ? data_ : scales_) = view_of(value, where() + "reading a constant input");
+      constant[slot] = view_of(value, where() + "reading a constant input");
     }
-    table(data_, scales_);
+    table(constant[kData], constant[kScales], inputs_ == 4 ? &constant[kSuper] : nullptr);
   }
 
   void compute(OrtKernelContext* context) const {
-    const OrtValue* values[3] = {};
-    for (size_t i = 0; i < 3; ++i) check(g_api->KernelContext_GetInput(context, i, &values[i]), where() + "inputs");
+    const OrtValue* values[4] = {};
+    for (size_t i = 0; i < inputs_; ++i) check(g_api->KernelContext_GetInput(context, i, &values[i]), where() + "inputs");
+    const TensorView super = inputs_ == 4 ? view_of(values[kSuper], where() + "input 'super_scales'") : TensorView{};
     const cim::Int4Table t = table(view_of(values[kData], where() + "input 'packed'"),
-                                   view_of(values[kScales], where() + "input 'scales'"));
+                                   view_of(values[kScales], where() + "input 'scales'"), inputs_ == 4 ? &super : nullptr);
     const TensorView indices = view_of(values[kIndices], where() + "input 'indices'");
     int64_t count = 1;
     for (int64_t d : indices.dims) count *= d;
@@ -127,8 +132,9 @@ class GatherKernel {
 
   std::string where() const { return std::string(CIM_GATHER_OP_TYPE " node '") + node_ + "': "; }
 
-  // The table of inputs `data` and `scales`, after checking their types and shapes against K and group_size.
-  cim::Int4Table table(const TensorView& data, const TensorView& scales) const {
+  // The table of inputs `data`, `scales` and `super` (int8 scales' super-scales, else null),
+  // after checking their types and shapes against K and group_size.
+  cim::Int4Table table(const TensorView& data, const TensorView& scales, const TensorView* super) const {
     const int64_t groups = (K_ + group_size_ - 1) / group_size_;
     const int64_t row_bytes = groups * group_size_ * bits_ / 8;
     const std::string layout = "[rows, ceil(K/group_size)*group_size*bits/8] with K=" + std::to_string(K_) +
@@ -146,16 +152,30 @@ class GatherKernel {
     }
     const int64_t rows = data.dims[0];
     const bool f16 = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    if ((scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && !f16) ||
+    const bool i8 = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    if ((scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && !f16 && !i8) ||
         (scales.dims != std::vector<int64_t>{rows, groups} && scales.dims != std::vector<int64_t>{rows * groups})) {
       throw OpError(where() + "input 'scales' is ONNX element type " + std::to_string(int(scales.type)) +
-                    " with shape " + dims_str(scales.dims) + ", expected float32 or float16 " +
+                    " with shape " + dims_str(scales.dims) + ", expected float32, float16 or int8 " +
                     dims_str({rows, groups}) + " ([rows, ceil(K/group_size)])");
+    }
+    const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
+    if (i8 != (super != nullptr)) {
+      throw OpError(where() + (i8 ? "has int8 'scales' but no input 'super_scales'"
+                                  : "has input 'super_scales', which only int8 'scales' take"));
+    }
+    if (super != nullptr && (super->type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
+                             (super->dims != std::vector<int64_t>{rows, supers} &&
+                              super->dims != std::vector<int64_t>{rows * supers}))) {
+      throw OpError(where() + "input 'super_scales' is ONNX element type " + std::to_string(int(super->type)) +
+                    " with shape " + dims_str(super->dims) + ", expected float16 " + dims_str({rows, supers}) +
+                    " ([rows, ceil(ceil(K/group_size)/" + std::to_string(cim::kSuperGroups) + ")])");
     }
     cim::Int4Table t;
     t.packed = static_cast<const uint8_t*>(data.data);
     t.scales = scales.data;
-    t.scales_f16 = f16;
+    t.scale_type = i8 ? cim::kScaleI8 : f16 ? cim::kScaleF16 : cim::kScaleF32;
+    t.super_scales = super != nullptr ? static_cast<const uint16_t*>(super->data) : nullptr;
     t.bits = bits_;
     t.rows = rows;
     t.K = K_;
@@ -183,7 +203,7 @@ class GatherKernel {
   int64_t group_size_ = 32;
   int bits_ = 4;
   int64_t ranges_ = 1;
-  TensorView data_, scales_;
+  size_t inputs_ = 3;
 };
 
 // Output shape = indices' shape + [K].
@@ -206,12 +226,16 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
 OrtCustomOp make_op() {
   OrtCustomOp op = custom_op_base<GatherKernel>();
   op.GetName = [](const OrtCustomOp*) { return CIM_GATHER_OP_TYPE; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
-    // indices: int32 or int64; scales: float32 or float16 (both checked in compute)
-    return i == kData ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    // indices: int32 or int64; scales: float32, float16 or int8 (both checked in compute)
+    return i == kData    ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+           : i == kSuper ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                         : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == kSuper ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  };
   op.InferOutputShapeFn = &infer_shape;
   return op;
 }

@@ -71,9 +71,22 @@ int read_gated(const AttributeReader& attrs) {
   return -1;
 }
 
-bool is_float16(const OrtValue* value) {
-  return tensor_info(value, "reading scales").type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+// The kernels' ScaleType of a `scales` tensor (its element type was checked on reading).
+int scale_type_of(const OrtValue* value) {
+  switch (tensor_info(value, "reading scales").type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return cim::kScaleF16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return cim::kScaleI8;
+    default: return cim::kScaleF32;
+  }
 }
+
+// The element types `scales` may have, and how a message names them.
+const std::vector<ONNXTensorElementDataType>& scale_types() {
+  static const std::vector<ONNXTensorElementDataType> types = {
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8};
+  return types;
+}
+constexpr const char* kScaleTypeNames = "float32, float16 or int8";
 
 class Kernel {
  public:
@@ -121,50 +134,79 @@ class Kernel {
     const int64_t row_bytes = groups * group_size * bits / 8;
     const std::string packed_layout = "[N, ceil(K/group_size)*group_size*bits/8], codes of bits=" +
                                       std::to_string(bits) + " as one little-endian bit stream per row";
-    const std::vector<ONNXTensorElementDataType> scale_types = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
-                                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
-    const char* scale_type_names = "float32 or float16";
+    // int8 scales come with their float16 super-scales, one per kSuperGroups groups.
+    const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
+    const std::string super_layout = "[N, ceil(ceil(K/group_size)/" + std::to_string(cim::kSuperGroups) +
+                                     ")], int8 scales' super-scales";
+    auto check_super = [&](int scale_type, bool has_super) {
+      if (scale_type == cim::kScaleI8 && !has_super) {
+        attrs.fail(std::string("has int8 'scales' but no '") + cim::contract::kAttrSuperScales + "', expected float16 " +
+                   dims_str({N, supers}) + " (" + super_layout + ")");
+      }
+      if (scale_type != cim::kScaleI8 && has_super) {
+        attrs.fail(std::string("has '") + cim::contract::kAttrSuperScales +
+                   "', which only int8 'scales' take; its 'scales' are float32 or float16");
+      }
+    };
     ValuePtr bias;
     if (attrs.has(cim::contract::kAttrBias)) bias = attrs.tensor(cim::contract::kAttrBias, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}, "float32", {N}, "[N]");
     const float* bias_data = bias ? data_of<float>(bias.get()) : nullptr;
     const size_t inputs = attrs.input_count();
-    if (inputs == 3) {
+    if (inputs == 3 || inputs == 4) {
       if (gated_ >= 0) attrs.fail("has inputs 'packed' and 'scales' and attribute 'gated'; a gated node takes attributes");
       // Codes and scales as constant initializers (a table shared with a CimInt4Gather, say):
       // ORT keeps them; the stream below is our own copy, made once here.
-      if (attrs.has(cim::contract::kAttrPacked) || attrs.has(cim::contract::kAttrScales)) {
+      if (attrs.has(cim::contract::kAttrPacked) || attrs.has(cim::contract::kAttrScales) ||
+          attrs.has(cim::contract::kAttrSuperScales)) {
         attrs.fail("has inputs 'packed' and 'scales' and also attributes of those names; give one or the other");
       }
       const OrtValue* packed =
           attrs.constant_input(1, cim::contract::kAttrPacked, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8}, "uint8",
                                {{N, row_bytes}, {N, groups, group_size * bits / 8}}, packed_layout.c_str());
-      const OrtValue* scales = attrs.constant_input(2, cim::contract::kAttrScales, scale_types, scale_type_names,
+      const OrtValue* scales = attrs.constant_input(2, cim::contract::kAttrScales, scale_types(), kScaleTypeNames,
                                                     {{N, groups}, {N * groups}}, "[N, ceil(K/group_size)]");
-      const std::string problem = storage_.build(K, N, group_size, bits, data_of<uint8_t>(packed),
-                                                 data_of<void>(scales), is_float16(scales), bias_data);
+      const int scale_type = scale_type_of(scales);
+      check_super(scale_type, inputs == 4);
+      const OrtValue* super =
+          inputs == 4 ? attrs.constant_input(3, cim::contract::kAttrSuperScales, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16},
+                                             "float16", {{N, supers}, {N * supers}}, super_layout.c_str())
+                      : nullptr;
+      const std::string problem =
+          storage_.build(K, N, group_size, bits, data_of<uint8_t>(packed), data_of<void>(scales), scale_type,
+                         super != nullptr ? data_of<uint16_t>(super) : nullptr, bias_data);
       if (!problem.empty()) attrs.fail(problem);
     } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
       // the model plus one node's copies, and afterwards we hold only our repacked stream.
-      ValuePtr scales = attrs.tensor(cim::contract::kAttrScales, scale_types, scale_type_names, {N, groups},
+      ValuePtr scales = attrs.tensor(cim::contract::kAttrScales, scale_types(), kScaleTypeNames, {N, groups},
                                      "[N, ceil(K/group_size)]");
       ValuePtr packed = attrs.tensor(cim::contract::kAttrPacked, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8}, "uint8",
                                      {N, row_bytes}, packed_layout.c_str());
+      const int scale_type = scale_type_of(scales.get());
+      check_super(scale_type, attrs.has(cim::contract::kAttrSuperScales));
+      ValuePtr super;
+      if (scale_type == cim::kScaleI8) {
+        super = attrs.tensor(cim::contract::kAttrSuperScales, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16}, "float16",
+                             {N, supers}, super_layout.c_str());
+      }
       const uint8_t* packed_data = data_of<uint8_t>(packed.get());
       const auto* scale_bytes = data_of<uint8_t>(scales.get());
-      const bool f16 = is_float16(scales.get());
+      const uint16_t* super_data = super ? data_of<uint16_t>(super.get()) : nullptr;
       // A gated node: rows [0, N/2) are the gate, [N/2, N) the up projection, each its own stream.
       const int64_t n_out = gated_ >= 0 ? N / 2 : N;
-      std::string problem = storage_.build(K, n_out, group_size, bits, packed_data, scale_bytes, f16, bias_data);
+      std::string problem =
+          storage_.build(K, n_out, group_size, bits, packed_data, scale_bytes, scale_type, super_data, bias_data);
       if (problem.empty() && gated_ >= 0) {
-        const int64_t scale_size = f16 ? 2 : 4;
         problem = up_.build(K, n_out, group_size, bits, packed_data + n_out * row_bytes,
-                            scale_bytes + n_out * groups * scale_size, f16, bias_data ? bias_data + n_out : nullptr);
+                            scale_bytes + n_out * groups * cim::scale_size_of(scale_type), scale_type,
+                            super_data != nullptr ? super_data + n_out * supers : nullptr,
+                            bias_data ? bias_data + n_out : nullptr);
       }
       if (!problem.empty()) attrs.fail(problem);
     } else {
       attrs.fail("has " + std::to_string(inputs) +
-                 " inputs, expected 1 (A, with attributes 'packed' and 'scales') or 3 (A, packed, scales)");
+                 " inputs, expected 1 (A, with attributes 'packed' and 'scales'), 3 (A, packed, scales) or 4 (A, " +
+                 "packed, int8 scales, super_scales)");
     }
     bias.reset();
 #if defined(__GLIBC__)
@@ -371,12 +413,14 @@ OrtStatus* infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
 OrtCustomOp make_op() {
   OrtCustomOp op = custom_op_base<Kernel>();
   op.GetName = [](const OrtCustomOp*) { return CIM_OP_TYPE; };
-  // A, then optionally packed and scales as constant initializers (else attributes).
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  // A, then optionally packed and scales (and int8 scales' super_scales) as constant
+  // initializers (else attributes).
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
-    // scales: float32 or float16, checked at load
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+    // scales: float32, float16 or int8, checked at load
+    return i == 1   ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
            : i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED
+           : i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {

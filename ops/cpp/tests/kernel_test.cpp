@@ -92,10 +92,12 @@ class GuardedBuffer {
   uint8_t* data_ = nullptr;
 };
 
+constexpr const char* kScaleNames[] = {"f32", "f16", "i8"};
+
 struct Shape {
   int64_t M, N, K, group_size;
   int bits = 4;
-  bool f16 = false;  // float16 scales
+  int scale_type = cim::kScaleF32;  // float32, float16 or int8 scales (kernel.h's ScaleType)
   int64_t lda, ldy;
   bool bias;
   bool wide_range;  // activations spread over many binades, to stress the bound
@@ -111,7 +113,7 @@ std::string describe(const Shape& s) {
   char buf[192];
   std::snprintf(buf, sizeof buf, "bits=%d scales=%s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " group=%" PRId64
                 " lda=%" PRId64 " ldy=%" PRId64 " bias=%d wide=%d a_pad=%" PRId64 " extreme=%d",
-                s.bits, s.f16 ? "f16" : "f32", s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias),
+                s.bits, kScaleNames[s.scale_type], s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias),
                 int(s.wide_range), s.a_pad, int(s.extreme));
   return buf;
 }
@@ -126,7 +128,10 @@ class Problem {
         k_padded_(groups_ * s.group_size),
         codes_(static_cast<size_t>(s.N * s.K)),
         scales_(static_cast<size_t>(s.N * groups_)),
-        half_scales_(s.f16 ? static_cast<size_t>(s.N * groups_) : 0),
+        half_scales_(s.scale_type == cim::kScaleF16 ? static_cast<size_t>(s.N * groups_) : 0),
+        int8_scales_(s.scale_type == cim::kScaleI8 ? static_cast<size_t>(s.N * groups_) : 0),
+        supers_((groups_ + cim::kSuperGroups - 1) / cim::kSuperGroups),
+        super_scales_(s.scale_type == cim::kScaleI8 ? static_cast<size_t>(s.N * supers_) : 0),
         bias_(s.bias ? static_cast<size_t>(s.N) : 0),
         a_(static_cast<size_t>((s.M - 1) * s.lda + s.K)) {
     std::uniform_int_distribution<int> code(0, (1 << s.bits) - 1);
@@ -136,11 +141,30 @@ class Problem {
     for (auto& c : codes_) c = static_cast<uint8_t>(code(rng));
     for (size_t i = 0; i < scales_.size(); ++i) {
       scales_[i] = (i % 7 == 3) ? 0.0f : 0.01f + 0.5f * std::fabs(uniform(rng));
-      if (s.f16) {  // a float16 value (sometimes subnormal, sometimes negative): its bits, and it as float32
+      if (s.scale_type == cim::kScaleF16) {  // a float16 value (sometimes subnormal, sometimes negative): its bits, and it as float32
         _Float16 h = static_cast<_Float16>(i % 11 == 5 ? scales_[i] * 1e-5f : scales_[i]);
         if (i % 5 == 2) h = -h;
         std::memcpy(&half_scales_[i], &h, sizeof h);
         scales_[i] = static_cast<float>(h);
+      }
+    }
+    if (s.scale_type == cim::kScaleI8) {
+      // Super-scales: float16 values, some subnormal, some negative, some zero; int8 scales
+      // over the whole range, -128 included. The scale is q * (d / 128), exact in float32.
+      std::uniform_int_distribution<int> q8(-128, 127);
+      for (size_t b = 0; b < super_scales_.size(); ++b) {
+        const float d = b % 13 == 6 ? 0.0f : (b % 11 == 5 ? 1e-5f : 1.0f) * (0.0001f + 0.004f * std::fabs(uniform(rng)));
+        _Float16 h = static_cast<_Float16>(b % 5 == 2 ? -d : d);
+        std::memcpy(&super_scales_[b], &h, sizeof h);
+      }
+      for (int64_t n = 0; n < s.N; ++n) {
+        for (int64_t g = 0; g < groups_; ++g) {
+          const size_t i = static_cast<size_t>(n * groups_ + g);
+          int8_scales_[i] = static_cast<int8_t>(i % 7 == 3 ? 0 : q8(rng));
+          _Float16 h;
+          std::memcpy(&h, &super_scales_[n * supers_ + g / cim::kSuperGroups], sizeof h);
+          scales_[i] = static_cast<float>(int8_scales_[i]) * (static_cast<float>(h) / cim::kInt8ScaleOne);
+        }
       }
     }
     for (auto& b : bias_) b = 4.0f * uniform(rng);
@@ -176,9 +200,12 @@ class Problem {
         }
       }
     }
-    const void* scales = s.f16 ? static_cast<const void*>(half_scales_.data()) : scales_.data();
-    const std::string err = storage_.build(s.K, s.N, s.group_size, s.bits, packed.data(), scales, s.f16,
-                                           s.bias ? bias_.data() : nullptr);
+    const void* scales = s.scale_type == cim::kScaleF16  ? static_cast<const void*>(half_scales_.data())
+                         : s.scale_type == cim::kScaleI8 ? static_cast<const void*>(int8_scales_.data())
+                                                         : scales_.data();
+    const std::string err =
+        storage_.build(s.K, s.N, s.group_size, s.bits, packed.data(), scales, s.scale_type,
+                       s.scale_type == cim::kScaleI8 ? super_scales_.data() : nullptr, s.bias ? bias_.data() : nullptr);
     if (!err.empty()) {
       std::fprintf(stderr, "repack failed for %s: %s\n", describe(s).c_str(), err.c_str());
       std::exit(2);
@@ -186,7 +213,7 @@ class Problem {
 
     // Guarded copies: the stream ends at its last block, the bias at tiles * 16.
     const cim::PackedWeights& src = storage_.weights();
-    const size_t stream_bytes = static_cast<size_t>(src.tiles * src.groups * src.block_bytes);
+    const size_t stream_bytes = static_cast<size_t>(src.tiles * src.strip_bytes_per_tile());
     stream_ = std::make_unique<GuardedBuffer>(stream_bytes);
     std::memcpy(stream_->as<uint8_t>(), src.stream, stream_bytes);
     if (s.bias) {
@@ -270,7 +297,10 @@ class Problem {
   int64_t groups_, k_padded_;
   std::vector<uint8_t> codes_;  // [N, K], 0 .. 2^bits - 1
   std::vector<float> scales_;   // [N, groups] (float16 values when f16)
-  std::vector<uint16_t> half_scales_;  // [N, groups]: their float16 bits, when f16
+  std::vector<uint16_t> half_scales_;  // [N, groups]: their float16 bits, when float16
+  std::vector<int8_t> int8_scales_;    // [N, groups]: the int8 scales, when int8
+  int64_t supers_;
+  std::vector<uint16_t> super_scales_;  // [N, supers]: their float16 super-scales' bits, when int8
   std::vector<float> bias_;     // [N] or empty
   std::vector<float> a_;        // [M, lda], only the first K of each row used
   cim::PackedStorage storage_;
@@ -511,13 +541,13 @@ std::vector<Shape> shapes() {
   const size_t base = out.size();
   int64_t combo = 0;
   for (int64_t bits : cim::contract::kBits) {
-    for (bool f16 : {false, true}) {
-      if (bits == 4 && !f16) continue;
+    for (int scale_type : {cim::kScaleF32, cim::kScaleF16, cim::kScaleI8}) {
+      if (bits == 4 && scale_type == cim::kScaleF32) continue;
       for (size_t j = 0; j < base; ++j) {
         if (j % 8 != static_cast<size_t>(combo % 8) && !out[j].extreme) continue;
         Shape s = out[j];
         s.bits = static_cast<int>(bits);
-        s.f16 = f16;
+        s.scale_type = scale_type;
         out.push_back(s);
       }
       ++combo;
@@ -535,20 +565,33 @@ int64_t check_gather(std::mt19937_64& rng) {
   int64_t failures = 0;
   const int64_t rows = 37;
   for (int64_t bits : cim::contract::kBits) {
-    for (bool f16 : {false, true}) {
+    for (int scale_type : {cim::kScaleF32, cim::kScaleF16, cim::kScaleI8}) {
       for (int64_t group_size : cim::contract::kGroupSizes) {
-        for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640)}) {
+        for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640),
+                          int64_t(9) * group_size}) {
           const int64_t groups = (K + group_size - 1) / group_size;
+          const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
           const int64_t row_bytes = groups * group_size * bits / 8;
-          const size_t scale_size = f16 ? 2 : 4;
+          const size_t scale_size = static_cast<size_t>(cim::scale_size_of(scale_type));
           GuardedBuffer codes(static_cast<size_t>(rows * row_bytes));
           GuardedBuffer scales(static_cast<size_t>(rows * groups) * scale_size);
+          GuardedBuffer super(scale_type == cim::kScaleI8 ? static_cast<size_t>(rows * supers) * 2 : 2);
           for (int64_t i = 0; i < rows * row_bytes; ++i) codes.as<uint8_t>()[i] = static_cast<uint8_t>(rng());
           std::normal_distribution<float> normal(0.0f, 0.05f);
           std::vector<float> scale_values(static_cast<size_t>(rows * groups));
+          for (int64_t i = 0; i < rows * supers && scale_type == cim::kScaleI8; ++i) {
+            const _Float16 h = static_cast<_Float16>(normal(rng) / 64.0f);
+            std::memcpy(super.as<uint8_t>() + 2 * i, &h, 2);
+          }
           for (int64_t i = 0; i < rows * groups; ++i) {
             scale_values[i] = normal(rng);
-            if (f16) {
+            if (scale_type == cim::kScaleI8) {
+              const auto q = static_cast<int8_t>(rng());
+              _Float16 h;
+              std::memcpy(&h, super.as<uint8_t>() + 2 * (i / groups * supers + i % groups / cim::kSuperGroups), 2);
+              std::memcpy(scales.as<uint8_t>() + i, &q, 1);
+              scale_values[i] = static_cast<float>(q) * (static_cast<float>(h) / cim::kInt8ScaleOne);
+            } else if (scale_type == cim::kScaleF16) {
               const _Float16 h = static_cast<_Float16>(scale_values[i]);
               std::memcpy(scales.as<uint8_t>() + 2 * i, &h, 2);
               scale_values[i] = static_cast<float>(h);
@@ -562,14 +605,15 @@ int64_t check_gather(std::mt19937_64& rng) {
           cim::Int4Table t;
           t.packed = codes.as<uint8_t>();
           t.scales = scales.as<uint8_t>();
-          t.scales_f16 = f16;
+          t.scale_type = scale_type;
+          t.super_scales = scale_type == cim::kScaleI8 ? super.as<uint16_t>() : nullptr;
           t.bits = static_cast<int>(bits);
           t.rows = rows;
           t.K = K;
           t.group_size = group_size;
           t.groups = groups;
-          std::snprintf(g_running, sizeof g_running, "gather_rows bits=%d f16=%d K=%" PRId64 " group_size=%" PRId64,
-                        int(bits), int(f16), K, group_size);
+          std::snprintf(g_running, sizeof g_running, "gather_rows bits=%d scales=%s K=%" PRId64 " group_size=%" PRId64,
+                        int(bits), kScaleNames[scale_type], K, group_size);
           cim::gather_rows(t, picks.data(), 0, count, out.as<float>());
           for (int64_t i = 0; i < count; ++i) {
             for (int64_t k = 0; k < K; ++k) {

@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
     for (auto& b : packed) b = static_cast<uint8_t>(rng());
     std::vector<uint16_t> scales(static_cast<size_t>(n * K / gs));
     for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
-    return st.build(K, n, gs, 4, packed.data(), scales.data(), true, nullptr);
+    return st.build(K, n, gs, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
   };
   std::vector<std::unique_ptr<PackedStorage>> layers;
   for (int l = 0; l < kLayers; ++l) {

@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> scales(static_cast<size_t>(s.N * s.K / 32));
     for (auto& x : scales) x = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
     layers.emplace_back(new PackedStorage);
-    const std::string problem = layers.back()->build(s.K, s.N, 32, 4, packed.data(), scales.data(), true, nullptr);
+    const std::string problem = layers.back()->build(s.K, s.N, 32, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
     if (!problem.empty()) {
       std::fprintf(stderr, "%s\n", problem.c_str());
       return 1;

@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> scales(static_cast<size_t>(N * ((K + gs - 1) / gs)));
   for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));  // small float16
   PackedStorage st;
-  const std::string err = st.build(K, N, gs, 4, packed.data(), scales.data(), true, nullptr);
+  const std::string err = st.build(K, N, gs, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
   if (!err.empty()) {
     std::fprintf(stderr, "%s\n", err.c_str());
     return 1;

@@ -98,7 +98,7 @@ struct Synthetic {
     w.K = 4096;
     w.group_size = 32;
     w.groups = w.K / w.group_size;
-    w.block_bytes = block_bytes_of(4, w.group_size, false);
+    w.block_bytes = block_bytes_of(4, w.group_size, kScaleF32);
     w.tiles = std::max<int64_t>(kStripTiles, bytes / (w.groups * w.block_bytes) / kStripTiles * kStripTiles);
     w.N = w.tiles * kTileN;
     const int64_t total = w.tiles * w.groups * w.block_bytes;
