@@ -191,3 +191,15 @@ def test_a_tied_table_is_stored_once_with_int8_scales_and_super_scales() -> None
 def test_calibrated_methods_refuse_int8_scales_in_one_line(method: str) -> None:
     with pytest.raises(ValueError, match="scale_dtype 'int8' works with method 'rtn' only"):
         ExportOptions(method=method, scale_dtype="int8")
+
+
+def test_validate_reads_int8_scales_as_their_values(tmp_path) -> None:  # noqa: ANN001
+    from cim_int4.cli import main
+
+    model = mlp()
+    src, out = tmp_path / "m.onnx", tmp_path / "m.i8.onnx"
+    onnx.save(model, src)
+    assert main(["export", str(src), "-o", str(out), "--scale-dtype", "int8"]) == 0
+    # Every layer alone within its bound and its codes a rounding of the FP32 weight (exit 0),
+    # which fails if a check reads the int8 codes of the scales as scales.
+    assert main(["validate", str(src), str(out)]) == 0

@@ -12,7 +12,8 @@ then, with the heavy venv's python (convert_hf_to_gguf.py needs torch, transform
     VENV/bin/python tools/real_llm_llamacpp.py smollm2 --root /work/real --llama /work/real/llama.cpp/src
 
 It converts ROOT/NAME/hf to GGUF f32 (``convert_hf_to_gguf.py --outtype f32``, PYTHONPATH=gguf-py),
-quantizes Q4_0, Q4_K_M and Q8_0 (keeping the per-tensor types llama-quantize prints), runs
+quantizes Q4_0, Q4_K_M and Q8_0 (or ``--types``, e.g. Q3_K_S Q2_K; keeping the per-tensor types
+llama-quantize prints, and bits per weight = file bytes over the f32 file's weights), runs
 ``llama-perplexity -f ROOT/text/eval.txt -c 512 --chunks N`` on each (it scores the second half of
 each 512-token chunk only: compare relative gaps) and ``llama-bench -p 128 -n 64 -t 1,2``, and
 writes ROOT/llama.cpp/NAME.json.
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--llama", type=Path, default=Path("/work/real/llama.cpp/src"))
     ap.add_argument("--chunks", type=int, default=8, help="512-token chunks llama-perplexity scores")
     ap.add_argument("--bench", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--types", nargs="+", default=list(TYPES), help="llama-quantize types (default Q4_0 Q4_K_M Q8_0)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default ROOT/llama.cpp/NAME.json)")
     args = ap.parse_args()
     out_dir = args.root / "llama.cpp" / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +63,8 @@ def main() -> None:
         run([sys.executable, str(args.llama / "convert_hf_to_gguf.py"), str(args.root / args.name / "hf"),
              "--outtype", "f32", "--outfile", str(f32)], log, env)
     result: dict = {"name": args.name, "chunks": args.chunks, "models": {}}
-    for qtype in ("F32", *TYPES):
+    weights = f32.stat().st_size / 4  # float32 weights (the header is small beside them)
+    for qtype in ("F32", *args.types):
         gguf = f32 if qtype == "F32" else out_dir / f"{qtype}.gguf"
         entry: dict = {"file": str(gguf)}
         if not gguf.exists():
@@ -74,6 +78,7 @@ def main() -> None:
             wide = [m.group(1) for m in re.finditer(pattern, text)]
             entry["wider_than_4bit"] = wide
         entry["bytes"] = gguf.stat().st_size
+        entry["bits_per_weight"] = 8 * entry["bytes"] / weights
         text = run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(args.root / "text" / "eval.txt"),
                     "-c", "512", "--chunks", str(args.chunks), "-t", "2"], log)
         m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", text)
@@ -90,7 +95,7 @@ def main() -> None:
             except (ValueError, KeyError):
                 entry["bench"] = text[-2000:]
         result["models"][qtype] = entry
-        (args.root / "llama.cpp" / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out or args.root / "llama.cpp" / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
         print(qtype, {k: v for k, v in entry.items() if k != "wider_than_4bit"}, flush=True)
 
 

@@ -26,7 +26,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .contract import COMPUTE_CONFIG, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, OP_DOMAIN, OP_TYPE, check_compute, is_op_node
+from .contract import (
+    COMPUTE_CONFIG,
+    DEFAULT_COMPUTE,
+    DEFAULT_GROUP_SIZE,
+    OP_DOMAIN,
+    OP_TYPE,
+    check_compute,
+    is_op_node,
+    scale_values,
+)
 from .exporter import gated
 from .exporter.fold import DEFAULT_DOMAINS, Scope
 from .exporter.operands import Ineligible, plan_gemm, plan_matmul
@@ -278,6 +287,8 @@ def check_layer(
             attrs[at.name] = numpy_helper.from_array(arrays[at.name], at.name)
         else:
             attrs[at.name] = helper.get_attribute_value(at)
+    if "super_scales" in arrays:  # int8 scales: their values, as the op computes with them
+        arrays["scales"] = scale_values(arrays["scales"], arrays["super_scales"])
     alone = helper.make_node(OP_TYPE, ["A"], ["Y"], name=label, domain=OP_DOMAIN, **attrs)
     graph = helper.make_graph(
         [alone],

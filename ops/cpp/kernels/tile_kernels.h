@@ -67,14 +67,26 @@ struct TileKernels {
     }
   }
 
+  // int8 scales: the super-scales / 128 (exact) of group g's run, vector x of tiles t0 ...
+  static CIM_INLINE F super_step(const PackedWeights& w, int64_t t0, int64_t g, int x) {
+    return S::mul(S::load_f16(w.super_of(t0 + x / kVecs, g) + (x % kVecs) * S::kLanes * 2),
+                  S::set1(1.0f / kInt8ScaleOne));
+  }
+  // ... and all NT * kVecs vectors of them into `run`, once per run of kSuperGroups groups.
+  template <int NT>
+  static CIM_INLINE void super_steps(const PackedWeights& w, int64_t t0, int64_t g, float* run) {
+    for (int x = 0; x < NT * kVecs; ++x) S::store(run + x * S::kLanes, super_step(w, t0, g, x));
+  }
+
   // The scales of group g of tiles t0 .. t0 + NT - 1, vector x of NT * kVecs (float16 and
   // int8 ones converted in registers; an int8 scale times its super-scale / 128 is exact).
+  // `run` (int8 scales, optional): the super-scales / 128 of g's run, as super_step_of wrote them.
   template <int NT, int kSc>
-  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g, int x) {
+  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g, int x,
+                                const float* run = nullptr) {
     const uint8_t* s = blk[x / kVecs] + w.code_bytes();
     if constexpr (kSc == kScaleI8) {
-      const F d = S::mul(S::load_f16(w.super_of(t0 + x / kVecs, g) + (x % kVecs) * S::kLanes * 2),
-                         S::set1(1.0f / kInt8ScaleOne));
+      const F d = run != nullptr ? S::load(run + x * S::kLanes) : super_step(w, t0, g, x);
       return S::mul(S::load_i8(s + (x % kVecs) * S::kLanes), d);
     } else if constexpr (kSc == kScaleF16) {
       return S::load_f16(s + (x % kVecs) * S::kLanes * 2);
@@ -163,10 +175,16 @@ struct TileKernels {
     load_acc<NT, R>(args, t0, m0, g0, acc);
     const float* a[R];
     for (int r = 0; r < R; ++r) a[r] = args.A + (m0 + r) * args.lda;
+    alignas(64) float run[NT * kTileN];  // int8 scales: the run's super-scales / 128
+    if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0, g0, run);
+    const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
+      if constexpr (kSc == kScaleI8) {
+        if (g != g0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
+      }
       F t[R][NT * kVecs];
       for (int r = 0; r < R; ++r)
         for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
@@ -189,7 +207,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kSc>(w, blk, t0, g, x);
+        const F s = scales_of<NT, kSc>(w, blk, t0, g, x, run_or_null);
         for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
       }
     }
@@ -226,10 +244,16 @@ struct TileKernels {
     load_acc<NT, R>(args, t0, m0, g0, acc);
     const int8_t* q[R];
     for (int r = 0; r < R; ++r) q[r] = qa.q + (m0 + r) * k_padded;
+    alignas(64) float run[NT * kTileN];  // int8 scales: the run's super-scales / 128
+    if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0, g0, run);
+    const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
+      if constexpr (kSc == kScaleI8) {
+        if (g != g0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
+      }
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
         const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[(m0 + r) * w.groups + g]);
@@ -263,7 +287,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kSc>(w, blk, t0, g, x);
+        const F s = scales_of<NT, kSc>(w, blk, t0, g, x, run_or_null);
         for (int r = 0; r < R; ++r) {
           const F scale = S::mul(S::set1(qa.scale[(m0 + r) * w.groups + g]), s);
           acc[r][x] = S::fma(S::cvt(d[r][x]), scale, acc[r][x]);
@@ -286,28 +310,34 @@ struct TileKernels {
     const QuantizedA& qa = *args.QA;
     alignas(64) float sums[NT * kTileN] = {};
     alignas(64) int32_t partial[NT * kTileN];  // 4-bit codes, group sizes over 32: the chunks' sums so far
+    alignas(64) float run[NT * kTileN];  // int8 scales: the run's super-scales / 128, loaded once per run
+    if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0, 0, run);
+    const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
     const int64_t chunks = w.group_size / 32;
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk[NT];
       blocks_of<NT>(w, t0, g, blk);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
+      if constexpr (kSc == kScaleI8) {
+        if (g != 0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
+      }
       const int8_t* q = qa.q + g * w.group_size;
       const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[g]);
       const F a_scale = S::set1(qa.scale[g]);
       if constexpr (kBits == 4) {
         if (chunks == 0) {  // group size 16: two code rows
-          narrow_chunk<kSc, NT, 2>(w, blk, t0, g, q, 0, z, a_scale, true, true, partial, sums);
+          narrow_chunk<kSc, NT, 2>(w, blk, t0, g, run_or_null, q, 0, z, a_scale, true, true, partial, sums);
         } else {
           for (int64_t c = 0; c < chunks; ++c) {
-            narrow_chunk<kSc, NT, 4>(w, blk, t0, g, q + 32 * c, 4 * c, z, a_scale, c == 0, c == chunks - 1, partial,
-                                     sums);
+            narrow_chunk<kSc, NT, 4>(w, blk, t0, g, run_or_null, q + 32 * c, 4 * c, z, a_scale, c == 0,
+                                     c == chunks - 1, partial, sums);
           }
         }
       } else {
         static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
           constexpr int x = decltype(xc)::value;
           const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
-          narrow_store<kSc, NT>(w, blk, t0, g, x, d, a_scale, sums);
+          narrow_store<kSc, NT>(w, blk, t0, g, run_or_null, x, d, a_scale, sums);
         });
       }
     }
@@ -319,8 +349,8 @@ struct TileKernels {
   // A group's integer sums d of vector x through the scales into `sums`.
   template <int kSc, int NT>
   static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
-                                      int x, I d, F a_scale, float* sums) {
-    const F scale = S::mul(a_scale, scales_of<NT, kSc>(w, blk, t0, g, x));
+                                      const float* run, int x, I d, F a_scale, float* sums) {
+    const F scale = S::mul(a_scale, scales_of<NT, kSc>(w, blk, t0, g, x, run));
     S::store(sums + x * S::kLanes, S::fma(S::cvt(d), scale, S::load(sums + x * S::kLanes)));
   }
 
@@ -329,8 +359,8 @@ struct TileKernels {
   // one's sums go through the scales into `sums`.
   template <int kSc, int NT, int kRows>
   static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
-                                      const int8_t* q, int64_t v0, I z, F a_scale, bool first, bool last,
-                                      int32_t* partial, float* sums) {
+                                      const float* run, const int8_t* q, int64_t v0, I z, F a_scale, bool first,
+                                      bool last, int32_t* partial, float* sums) {
     static_assert(2 * kRows <= pair_steps(4), "int16 pair sums could saturate");
     I qv[2 * kRows];
     for (int r = 0; r < 2 * kRows; ++r) qv[r] = S::set1_i32(load_i32(q + 4 * r));
@@ -345,7 +375,7 @@ struct TileKernels {
       int32_t* p = partial + x * S::kLanes;
       const I d = S::pair_flush(first ? z : S::loadi(reinterpret_cast<const uint8_t*>(p)), s);
       if (last) {
-        narrow_store<kSc, NT>(w, blk, t0, g, x, d, a_scale, sums);
+        narrow_store<kSc, NT>(w, blk, t0, g, run, x, d, a_scale, sums);
       } else {
         S::storei(reinterpret_cast<uint8_t*>(p), d);
       }

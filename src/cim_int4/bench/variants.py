@@ -164,13 +164,13 @@ def constant_bytes(model: onnx.ModelProto) -> int:
 
 
 def int4_weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the packed codes and scales of every CimInt4MatMul of ``model``: what the memory ratio divides by."""
+    """Bytes of the codes, scales and super-scales of every CimInt4MatMul: what the memory ratio divides by."""
     return sum(
         _tensor_bytes(a.t)
         for node in model.graph.node
         if node.op_type == OP_TYPE and node.domain == OP_DOMAIN
         for a in node.attribute
-        if a.name in ("packed", "scales")
+        if a.name in ("packed", "scales", "super_scales")
     )
 
 
