@@ -80,7 +80,7 @@ struct TileKernels {
 
   // The scales of group g of tiles t0 .. t0 + NT - 1, vector x of NT * kVecs (float16 and
   // int8 ones converted in registers; an int8 scale times its super-scale / 128 is exact).
-  // `run` (int8 scales, optional): the super-scales / 128 of g's run, as super_step_of wrote them.
+  // `run` (int8 scales, optional): the super-scales / 128 of g's run, as super_steps wrote them.
   template <int NT, int kSc>
   static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g, int x,
                                 const float* run = nullptr) {
