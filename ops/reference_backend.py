@@ -244,7 +244,7 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
             table = fresh(f"{node.name or node.output[0]}.reference.table")
             graph.initializer.append(numpy_helper.from_array(gather_table(node, initializers), table))
             nodes.append(helper.make_node("Gather", [table, node.input[1]], list(node.output), name=node.name))
-            tables.update(node.input[0::2])
+            tables.update(name for i, name in enumerate(node.input) if i != 1)  # packed, scales, super_scales
             continue
         if not is_op_node(node):
             nodes.append(node)

@@ -203,3 +203,12 @@ def test_validate_reads_int8_scales_as_their_values(tmp_path) -> None:  # noqa: 
     # Every layer alone within its bound and its codes a rounding of the FP32 weight (exit 0),
     # which fails if a check reads the int8 codes of the scales as scales.
     assert main(["validate", str(src), str(out)]) == 0
+
+
+def test_super_scales_float16_holds_only_coarsely_fall_back_to_float32_scales() -> None:
+    # Subnormal float16 super-scales (under ~6e-5) round by more than 2^-9; under ~3e-8 they vanish.
+    for std in (5e-6, 5e-8):
+        assert int8_scales(np.full((2, 9), std, np.float32)) is None
+        qw = quantize_weight(w(0, 288, 4) * np.float32(std), 32, "signed", 4, "int8")
+        assert qw.super_scales is None and qw.scales.dtype == np.float32 and np.abs(qw.scales).max() > 0
+    assert int8_scales(np.zeros((2, 9), np.float32)) is not None  # all-zero runs: d = 0, q = 0

@@ -249,6 +249,21 @@ def test_int8_scales_without_super_scales_are_refused() -> None:
         make_session(gather_model(alone), threads=1).run(None, {"ids": np.array([0], np.int64)})
 
 
+def test_an_empty_super_scales_input_of_a_gather_is_absent() -> None:
+    t = table(300, 8, 32, 4, np.int8)
+    node = helper.make_node(GATHER_OP_TYPE, ["P", "ids", "S", ""], ["Y"], name="embed", domain=OP_DOMAIN, K=t.k,
+                            group_size=t.group_size, bits=t.bits)
+    graph = helper.make_graph(
+        [node], "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializer=t.initializers()[:2],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=8
+    )
+    with pytest.raises(Exception, match="int8 'scales' but no input 'super_scales'"):
+        make_session(model, threads=1).run(None, {"ids": np.array([0], np.int64)})
+
+
 def test_super_scales_with_float_scales_are_refused() -> None:
     t = table(300, 8, 32, 4, np.int8)
     wrong = Table(300, 8, 32, 4, t.packed, t.values.astype(np.float16), t.super_scales)

@@ -66,7 +66,8 @@ def twin(model: onnx.ModelProto) -> onnx.ModelProto:
             if len(node.input) == 4:  # int8 scales and their super-scales
                 super_scales = numpy_helper.to_array(inits[node.input[3]])
                 used.add(node.input[3])
-                scales = scale_values(scales.reshape(super_scales.shape[0], -1), super_scales)
+                rows = packed.shape[0]
+                scales = scale_values(scales.reshape(rows, -1), super_scales.reshape(rows, -1))
             table = f"{packed_name}/dequantized"
             if table not in {t.name for t in new_inits}:
                 w = dequantize(packed, scales, attrs["K"], attrs.get("group_size", 32), attrs.get("bits", 4))

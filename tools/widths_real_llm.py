@@ -71,7 +71,7 @@ def model_bits_per_weight(path: Path) -> float:
     for node in model.graph.node:
         if is_op_node(node) and len(node.input) == 1:
             n = Int4Node.from_node(node)
-            bits += 8 * (n.packed.nbytes + n.scales.nbytes)
+            bits += 8 * n.nbytes - 8 * (0 if n.bias is None else n.bias.nbytes)  # codes and stored scales
             weights += n.k * n.n
         elif is_op_node(node, MATMUL_SHARED) or is_op_node(node, GATHER):
             attrs = {a.name: a.i for a in node.attribute}
@@ -80,7 +80,8 @@ def model_bits_per_weight(path: Path) -> float:
                 continue
             shared_counted.add(packed)
             rows = inits[packed].dims[0]
-            bits += 8 * sum(onnx.numpy_helper.to_array(inits[t]).nbytes for t in (packed, scales))
+            tensors = (packed, scales, *node.input[3:4])  # int8 scales: their super-scales too
+            bits += 8 * sum(onnx.numpy_helper.to_array(inits[t]).nbytes for t in tensors if t)
             weights += rows * attrs["K"]
         elif node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
             t = inits[node.input[1]]

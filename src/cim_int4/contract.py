@@ -167,7 +167,8 @@ def encode_int8_scales(values: np.ndarray, super_scales: np.ndarray, what: str =
 
 
 def int8_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """int8 ``q`` [N, groups] and float16 super-scales [N, supers] nearest ``scales``; None if float16 cannot hold one.
+    """int8 ``q`` [N, groups] and float16 super-scales [N, supers] nearest ``scales``; None if float16 cannot hold one
+    (beyond 65504, or so small that float16 moves it by more than 2^-9 of itself).
 
     Each super-scale is its super-block's largest ``|scale|`` times 128/127 in float16, so the
     largest q is about 127; ``scale_values(q, d)`` are the scales the op computes with.
@@ -181,6 +182,11 @@ def int8_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if np.any(top > _FLOAT16_MAX):
         return None
     d = top.astype(np.float16)
+    # float16 must hold each super-scale to 2^-9 of itself: subnormal ones (below ~6e-5) round
+    # coarser, and under ~3e-8 they vanish with their whole run of groups.
+    nonzero = top > 0
+    if np.any(np.abs(d[nonzero].astype(np.float64) - top[nonzero]) > top[nonzero] * 2.0**-9):
+        return None
     step = _per_group(d, groups)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step > 0, np.rint(s / np.where(step > 0, step, 1)), 0)

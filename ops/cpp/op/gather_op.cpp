@@ -76,9 +76,11 @@ class GatherKernel {
   void compute(OrtKernelContext* context) const {
     const OrtValue* values[4] = {};
     for (size_t i = 0; i < inputs_; ++i) check(g_api->KernelContext_GetInput(context, i, &values[i]), where() + "inputs");
-    const TensorView super = inputs_ == 4 ? view_of(values[kSuper], where() + "input 'super_scales'") : TensorView{};
+    // An optional input left empty ("") is absent: ORT hands out no value for it.
+    const bool has_super = inputs_ == 4 && values[kSuper] != nullptr;
+    const TensorView super = has_super ? view_of(values[kSuper], where() + "input 'super_scales'") : TensorView{};
     const cim::Int4Table t = table(view_of(values[kData], where() + "input 'packed'"),
-                                   view_of(values[kScales], where() + "input 'scales'"), inputs_ == 4 ? &super : nullptr);
+                                   view_of(values[kScales], where() + "input 'scales'"), has_super ? &super : nullptr);
     const TensorView indices = view_of(values[kIndices], where() + "input 'indices'");
     int64_t count = 1;
     for (int64_t d : indices.dims) count *= d;
