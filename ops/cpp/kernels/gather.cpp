@@ -10,18 +10,6 @@
 namespace cim {
 namespace {
 
-// Scale g of row r.
-float scale_of(const Int4Table& t, int64_t r, int64_t g) {
-  const int64_t i = r * t.groups + g;
-  if (t.scale_type == kScaleI8) {
-    const int64_t supers = (t.groups + kSuperGroups - 1) / kSuperGroups;
-    const float d = half_to_float(t.super_scales[r * supers + g / kSuperGroups]) / kInt8ScaleOne;
-    return static_cast<float>(static_cast<const int8_t*>(t.scales)[i]) * d;  // both exact
-  }
-  if (t.scale_type == kScaleF16) return half_to_float(static_cast<const uint16_t*>(t.scales)[i]);
-  return static_cast<const float*>(t.scales)[i];
-}
-
 void gather_group_4bit(const uint8_t* codes, float scale, int64_t k0, int64_t k1, float* y) {
   float level[16];
   for (int c = 0; c < 16; ++c) level[c] = scale * static_cast<float>(c - 8);
@@ -43,7 +31,7 @@ void gather_rows(const Int4Table& t, const int64_t* rows, int64_t begin, int64_t
     const uint8_t* codes = t.packed + rows[i] * row_bytes;
     float* y = Y + i * t.K;
     for (int64_t g = 0; g < t.groups; ++g) {
-      const float scale = scale_of(t, rows[i], g);
+      const float scale = attribute_scale(t.scales, t.scale_type, t.super_scales, t.groups, rows[i], g);
       const int64_t k0 = g * t.group_size;
       const int64_t k1 = k0 + t.group_size < t.K ? k0 + t.group_size : t.K;
       if (t.bits == 4) {

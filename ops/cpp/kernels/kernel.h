@@ -78,6 +78,8 @@ constexpr int64_t scale_size_of(int scale_type) { return scale_type == kScaleI8 
 // scale that stands for the whole super-scale (contract.INT8_SCALE_ONE: a power of two).
 constexpr int64_t kSuperGroups = 8;
 constexpr float kInt8ScaleOne = 128.0f;
+// Super-blocks of int8 scales along a row of `groups` groups.
+constexpr int64_t supers_of(int64_t groups) { return (groups + kSuperGroups - 1) / kSuperGroups; }
 
 // Bytes of one (tile, group) block.
 constexpr int64_t block_bytes_of(int bits, int64_t group_size, int scale_type) {
@@ -122,7 +124,7 @@ struct PackedWeights {
   }
   // Bytes of the stream per tile (its blocks and super-scale records); the whole stream is tiles times this.
   __attribute__((always_inline)) int64_t strip_bytes_per_tile() const {
-    return groups * block_bytes + (groups + kSuperGroups - 1) / kSuperGroups * super_bytes;
+    return groups * block_bytes + supers_of(groups) * super_bytes;
   }
   // Bytes of a block before its scales.
   __attribute__((always_inline)) int64_t code_bytes() const { return block_bytes - kTileN * scale_size_of(scale_type); }

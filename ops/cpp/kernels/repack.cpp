@@ -19,17 +19,6 @@ static_assert(kSuperGroups == contract::kSuperGroups && kInt8ScaleOne == contrac
               "kernel.h's int8 scales disagree with the contract");
 constexpr int64_t kAlign = 64;
 
-// Scale i of the attribute (row-major [N, groups]) as the kernels read it.
-float scale_at(const void* scales, int scale_type, const uint16_t* super_scales, int64_t groups, int64_t i) {
-  if (scale_type == kScaleI8) {
-    const int64_t supers = (groups + kSuperGroups - 1) / kSuperGroups;
-    const float d = half_to_float(super_scales[i / groups * supers + i % groups / kSuperGroups]) / kInt8ScaleOne;
-    return static_cast<float>(static_cast<const int8_t*>(scales)[i]) * d;  // both exact
-  }
-  if (scale_type == kScaleF16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
-  return static_cast<const float*>(scales)[i];
-}
-
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 void* aligned_bytes(int64_t bytes) {
@@ -58,7 +47,7 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
     }
   }
   if (scale_type == kScaleI8) {
-    const int64_t supers = (groups + kSuperGroups - 1) / kSuperGroups;
+    const int64_t supers = supers_of(groups);
     for (int64_t i = 0; i < N * supers; ++i) {
       const float d = half_to_float(super_scales[i]);
       if (!std::isfinite(d)) {
@@ -73,7 +62,7 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
     // Any sign (ORT's and llama.cpp's symmetric rule map the largest-magnitude weight to
     // -2^(b-1), so the scale takes its sign); 2^(b-1)*|scale| bounds every dequantized
     // weight, so it must be finite too (a finite float16 always is).
-    const float s = scale_at(scales, scale_type, super_scales, groups, i);
+    const float s = attribute_scale(scales, scale_type, super_scales, groups, i / groups, i % groups);
     if (!std::isfinite(s) || !std::isfinite(float(offset) * s)) {
       std::ostringstream msg;
       msg << "attribute 'scales': value " << s << " at row " << i / groups << ", group " << i % groups
@@ -170,7 +159,7 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int b
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t in_row_bytes = groups * group_size * bits / 8;
   const int64_t scale_size = scale_size_of(scale_type);
-  const int64_t supers = scale_type == kScaleI8 ? (groups + kSuperGroups - 1) / kSuperGroups : 0;
+  const int64_t supers = scale_type == kScaleI8 ? supers_of(groups) : 0;
   w_ = PackedWeights{};
   w_.K = K;
   w_.N = N;

@@ -55,6 +55,19 @@ inline int attribute_code(const uint8_t* row, int64_t k, int bits) {
   return v & ((1 << bits) - 1);
 }
 
+// Scale g of row r of the attribute format ([rows, groups] of scale_type; int8 scales times
+// their float16 super_scales [rows, supers_of(groups)] / 128, exact) as every kernel reads it.
+inline float attribute_scale(const void* scales, int scale_type, const uint16_t* super_scales, int64_t groups,
+                             int64_t r, int64_t g) {
+  const int64_t i = r * groups + g;
+  if (scale_type == kScaleI8) {
+    const float d = half_to_float(super_scales[r * supers_of(groups) + g / kSuperGroups]) / kInt8ScaleOne;
+    return static_cast<float>(static_cast<const int8_t*>(scales)[i]) * d;  // both exact
+  }
+  if (scale_type == kScaleF16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
 // True for the widths the op accepts (contract::kBits).
 bool is_supported_bits(int64_t bits);
 

@@ -161,7 +161,7 @@ class GatherKernel {
                     " with shape " + dims_str(scales.dims) + ", expected float32, float16 or int8 " +
                     dims_str({rows, groups}) + " ([rows, ceil(K/group_size)])");
     }
-    const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
+    const int64_t supers = cim::supers_of(groups);
     if (i8 != (super != nullptr)) {
       throw OpError(where() + (i8 ? "has int8 'scales' but no input 'super_scales'"
                                   : "has input 'super_scales', which only int8 'scales' take"));

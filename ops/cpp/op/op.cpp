@@ -135,7 +135,7 @@ class Kernel {
     const std::string packed_layout = "[N, ceil(K/group_size)*group_size*bits/8], codes of bits=" +
                                       std::to_string(bits) + " as one little-endian bit stream per row";
     // int8 scales come with their float16 super-scales, one per kSuperGroups groups.
-    const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
+    const int64_t supers = cim::supers_of(groups);
     const std::string super_layout = "[N, ceil(ceil(K/group_size)/" + std::to_string(cim::kSuperGroups) +
                                      ")], int8 scales' super-scales";
     auto check_super = [&](int scale_type, bool has_super) {

@@ -130,7 +130,7 @@ class Problem {
         scales_(static_cast<size_t>(s.N * groups_)),
         half_scales_(s.scale_type == cim::kScaleF16 ? static_cast<size_t>(s.N * groups_) : 0),
         int8_scales_(s.scale_type == cim::kScaleI8 ? static_cast<size_t>(s.N * groups_) : 0),
-        supers_((groups_ + cim::kSuperGroups - 1) / cim::kSuperGroups),
+        supers_(cim::supers_of(groups_)),
         super_scales_(s.scale_type == cim::kScaleI8 ? static_cast<size_t>(s.N * supers_) : 0),
         bias_(s.bias ? static_cast<size_t>(s.N) : 0),
         a_(static_cast<size_t>((s.M - 1) * s.lda + s.K)) {
@@ -570,7 +570,7 @@ int64_t check_gather(std::mt19937_64& rng) {
         for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640),
                           int64_t(9) * group_size}) {
           const int64_t groups = (K + group_size - 1) / group_size;
-          const int64_t supers = (groups + cim::kSuperGroups - 1) / cim::kSuperGroups;
+          const int64_t supers = cim::supers_of(groups);
           const int64_t row_bytes = groups * group_size * bits / 8;
           const size_t scale_size = static_cast<size_t>(cim::scale_size_of(scale_type));
           GuardedBuffer codes(static_cast<size_t>(rows * row_bytes));
