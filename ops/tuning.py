@@ -4,7 +4,9 @@ The op library reads the profile when it creates a kernel (and tunes once by its
 the profile has no entry for this CPU); ``cim-int4 tune`` runs the tuner explicitly and
 prints its table. Both come from ``libcim_int4_tune.so``, built and installed beside the
 op library. Environment: ``CIM_INT4_PROFILE`` (profile path), ``CIM_INT4_VARIANT``
-(force one variant), ``CIM_INT4_TUNE=off`` (never tune implicitly), ``CIM_INT4_KERNEL``.
+(force one variant), ``CIM_INT4_TUNE=off`` (never tune implicitly), ``CIM_INT4_KERNEL``,
+``CIM_INT4_TUNE_STREAM_MIB=<n>`` (the explicit tuner's synthetic stream in MiB instead of twice
+the last-level cache; for tests and measurements, the op's implicit tuning ignores it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ TUNE_LIBRARY_NAME = "libcim_int4_tune.so"
 PROFILE_ENV = "CIM_INT4_PROFILE"
 VARIANT_ENV = "CIM_INT4_VARIANT"
 TUNE_ENV = "CIM_INT4_TUNE"
+TUNE_STREAM_ENV = "CIM_INT4_TUNE_STREAM_MIB"
 
 
 class TuneError(ValueError):
@@ -54,8 +57,9 @@ def _call(name: str, *args: Any) -> dict[str, Any]:
 def tune(kernel: str = "auto", seconds: float = 0.8, save: bool = True) -> dict[str, Any]:
     """Times ``kernel``'s variants (``auto``: the best ISA path of this CPU) for about ``seconds``; saves the choice.
 
-    Returns the report: cpu, key, kernel, stream_bytes, rounds, read_seconds, variants
-    (name, fp32_seconds, int8_seconds: medians of one M = 1 decode of the stream, 1 thread),
+    Returns the report: cpu, key, kernel, stream_bytes, windows, window_bytes (each pass reads
+    the next of ``windows`` equal windows), rounds, read_seconds, variants (name, fp32_seconds,
+    int8_seconds: medians of one M = 1 decode of the stream, 1 thread, a window's time x windows),
     default, chosen, profile, saved, save_error, budget_seconds, setup_seconds,
     elapsed_seconds, longest_round_seconds.
     """
@@ -76,9 +80,11 @@ def format_report(report: dict[str, Any]) -> str:
     """The tuner's table: per variant and mode, time, share of the streaming read, and the choice."""
     gb = report["stream_bytes"] / 1e9
     read = report["read_seconds"]
+    window_mib = report["window_bytes"] / 2**20
+    windows = f"in {report['windows']} windows of {window_mib:.0f} MiB " if report["windows"] > 1 else ""
     lines = [
         f"CPU: {report['cpu']}",
-        f"kernel: {report['kernel']}; stream {report['stream_bytes'] / 2**20:.0f} MiB "
+        f"kernel: {report['kernel']}; stream {report['stream_bytes'] / 2**20:.0f} MiB {windows}"
         f"(last-level cache {report['llc_bytes'] / 2**20:.0f} MiB), {report['rounds']} interleaved rounds "
         f"in {report['elapsed_seconds']:.2f} s (+{report['setup_seconds']:.2f} s set-up), 1 thread, M = 1",
         f"streaming read: {gb / read:.1f} GB/s" if read > 0 else "streaming read: not measured",

@@ -21,6 +21,7 @@ KERNELS = available_kernels()
 VARIANT_ENV = tuning.VARIANT_ENV
 TUNE_ENV = tuning.TUNE_ENV
 PROFILE_ENV = tuning.PROFILE_ENV
+STREAM_ENV = tuning.TUNE_STREAM_ENV
 
 
 def _variants(kernel: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -64,7 +65,7 @@ def test_every_variant_gives_the_same_bits(kernel: str, compute: str, monkeypatc
 
 def _child(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Runs ``code`` in a fresh interpreter (the op decides a profile once per process)."""
-    full = {k: v for k, v in os.environ.items() if k not in (TUNE_ENV, PROFILE_ENV, VARIANT_ENV)}
+    full = {k: v for k, v in os.environ.items() if k not in (TUNE_ENV, PROFILE_ENV, VARIANT_ENV, STREAM_ENV)}
     full.update(env)
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
 
@@ -190,6 +191,25 @@ def test_tuner_keeps_to_its_budget(tmp_path: Path) -> None:
         if row["name"].startswith("n4-"):
             twin = rows["t4-" + row["name"][3:]]
             assert row["fp32_seconds"] == twin["fp32_seconds"] and row["fp32_rounds"] == twin["fp32_rounds"]
+
+
+def test_large_stream_is_timed_in_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream larger than 64 MiB is read a window per pass (each pass bounded, each window cold when read again)."""
+    monkeypatch.setenv(STREAM_ENV, "256")
+    large = tuning.tune(seconds=0.05, save=False)
+    if len(large["variants"]) < 2:
+        pytest.skip("a table with one variant is not timed")
+    assert 0.99 * (256 << 20) <= large["stream_bytes"] <= 256 << 20
+    assert large["windows"] == 4 and large["windows"] * large["window_bytes"] == large["stream_bytes"]
+    assert large["window_bytes"] <= 64 << 20
+    # Up to 64 MiB: one window, the whole stream per pass.
+    monkeypatch.setenv(STREAM_ENV, "64")
+    small = tuning.tune(seconds=0.05, save=False)
+    assert small["windows"] == 1 and small["window_bytes"] == small["stream_bytes"] > 0.99 * (64 << 20)
+    for bad in ("0", "-5", "12x", "5000"):
+        monkeypatch.setenv(STREAM_ENV, bad)
+        with pytest.raises(tuning.TuneError, match=rf"^{STREAM_ENV}={bad} is not a whole number of MiB in 1..4096$"):
+            tuning.tune(seconds=0.05, save=False)
 
 
 def test_unknown_kernel_in_tune_is_one_line_error() -> None:

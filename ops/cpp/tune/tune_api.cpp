@@ -1,6 +1,7 @@
 // libcim_int4_tune.so: the `cim-int4 tune` command's entry points (Python loads them with
 // ctypes, cim_int4.ops.tuning). Replies are JSON written into the caller's buffer.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -20,6 +21,24 @@ int reply(const std::string& text, char* out, size_t cap) {
     out[n] = '\0';
   }
   return static_cast<int>(text.size());
+}
+
+// CIM_INT4_TUNE_STREAM_MIB=<n>: the synthetic stream's size in MiB instead of twice the
+// last-level cache, for the explicit `cim-int4 tune` only (the op's implicit tuning ignores
+// it), so a test or a measurement can run the large-cache path on any machine. Returns 0
+// (the default) when unset; false with `error` set when it is not a whole number in 1..4096.
+bool forced_stream_bytes(int64_t& bytes, std::string& error) {
+  bytes = 0;
+  const char* text = std::getenv("CIM_INT4_TUNE_STREAM_MIB");
+  if (text == nullptr || *text == '\0') return true;
+  char* end = nullptr;
+  const long mib = std::strtol(text, &end, 10);
+  if (*end != '\0' || mib < 1 || mib > 4096) {
+    error = std::string("CIM_INT4_TUNE_STREAM_MIB=") + text + " is not a whole number of MiB in 1..4096";
+    return false;
+  }
+  bytes = int64_t(mib) << 20;
+  return true;
 }
 
 int error_reply(const std::string& message, char* out, size_t cap) {
@@ -45,6 +64,7 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
     if (table == nullptr) return error_reply(error, out, cap);
     cim::TuneOptions options;
     options.budget_seconds = budget_seconds;
+    if (!forced_stream_bytes(options.stream_bytes, error)) return error_reply(error, out, cap);
     const cim::TuneReport r = cim::tune(*table, options);
     const std::string path = cim::profile_path();
     const std::string save_error = save ? cim::save_choice(path, r) : "";
@@ -52,7 +72,7 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
     j.precision(9);
     j << "{\"cpu\": " << cim::json_quoted(cim::this_cpu().name) << ", \"key\": " << cim::json_quoted(cim::this_cpu().key)
       << ", \"kernel\": " << cim::json_quoted(r.table) << ", \"stream_bytes\": " << r.stream_bytes
-      << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"budget_seconds\": " << budget_seconds
+      << ", \"window_bytes\": " << r.window_bytes << ", \"windows\": " << r.windows << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"budget_seconds\": " << budget_seconds
       << ", \"setup_seconds\": " << r.setup_seconds << ", \"elapsed_seconds\": " << r.elapsed_seconds
       << ", \"longest_round_seconds\": " << r.longest_round_seconds << ", \"read_seconds\": " << r.read_seconds
       << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"drop_factor\": " << cim::kTuneDropFactor << ", \"variants\": [";

@@ -85,7 +85,9 @@ struct FreeDeleter {
 };
 
 // A decode-shaped problem: K = 4096 in groups of 32 (the common LLM layout), as many
-// channels as fill `bytes`, random codes, small scales, random A.
+// channels as fill `bytes`, random codes, small scales, random A. A stream larger than
+// kTuneWindowBytes is cut into `windows` equal windows of whole strips; each pass (a read
+// or a kernel) takes the next one in rotation (tuner.h says why).
 struct Synthetic {
   std::unique_ptr<uint8_t, FreeDeleter> stream;
   std::vector<float> a, y, qscale;
@@ -93,29 +95,24 @@ struct Synthetic {
   std::vector<int32_t> qsum;
   PackedWeights w;
   QuantizedA qa;
+  int64_t windows = 1;
+  int64_t window_tiles = 0;
+  int64_t passes = 0;  // passes so far: the next one reads window passes % windows
 
   Synthetic(const KernelTable& table, int64_t bytes) {
     w.K = 4096;
     w.group_size = 32;
     w.groups = w.K / w.group_size;
     w.block_bytes = block_bytes_of(4, w.group_size, kScaleF32);
-    w.tiles = std::max<int64_t>(kStripTiles, bytes / (w.groups * w.block_bytes) / kStripTiles * kStripTiles);
+    const int64_t tile_bytes = w.groups * w.block_bytes;
+    w.tiles = std::max<int64_t>(kStripTiles, bytes / tile_bytes / kStripTiles * kStripTiles);
+    windows = (w.tiles * tile_bytes + kTuneWindowBytes - 1) / kTuneWindowBytes;
+    w.tiles = std::max<int64_t>(1, w.tiles / (windows * kStripTiles)) * windows * kStripTiles;
+    window_tiles = w.tiles / windows;
     w.N = w.tiles * kTileN;
-    const int64_t total = w.tiles * w.groups * w.block_bytes;
+    const int64_t total = w.tiles * tile_bytes;
     stream.reset(static_cast<uint8_t*>(allocate_stream(total)));
-    uint64_t x = 0x9E3779B97F4A7C15ull;
-    const int64_t code_bytes = w.group_size / 8 * kCodeRowBytes;
-    for (int64_t off = 0; off < total; off += w.block_bytes) {
-      for (int64_t i = 0; i < code_bytes; i += 8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        std::memcpy(stream.get() + off + i, &x, 8);
-      }
-      float scales[kTileN];
-      std::fill(scales, scales + kTileN, 0.01f);
-      std::memcpy(stream.get() + off + code_bytes, scales, sizeof scales);
-    }
+    fill(total);
     w.stream = stream.get();
     a.resize(static_cast<size_t>(w.K));
     for (int64_t k = 0; k < w.K; ++k) a[k] = static_cast<float>((k * 7919) % 2001 - 1000) / 1000.0f;
@@ -127,6 +124,47 @@ struct Synthetic {
     qa = QuantizedA{q.data(), qscale.data(), qsum.data()};
   }
 
+  // Random codes and scales of 0.01. Four independent xorshift64 generators side by side:
+  // one alone is a chain of six dependent operations per 8 bytes, and filling the largest
+  // stream (256 MiB) with it took 70 ms on a Zen 4, longer than its page faults.
+  void fill(int64_t total) {
+    uint64_t x[4] = {0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull, 0x2545F4914F6CDD1Dull};
+    const int64_t code_bytes = w.group_size / 8 * kCodeRowBytes;  // a multiple of 32
+    float scales[kTileN];
+    std::fill(scales, scales + kTileN, 0.01f);
+    for (int64_t off = 0; off < total; off += w.block_bytes) {
+      uint8_t* block = stream.get() + off;
+      for (int64_t i = 0; i < code_bytes; i += 32) {
+        for (int lane = 0; lane < 4; ++lane) {
+          x[lane] ^= x[lane] << 13;
+          x[lane] ^= x[lane] >> 7;
+          x[lane] ^= x[lane] << 17;
+          std::memcpy(block + i + 8 * lane, &x[lane], 8);
+        }
+      }
+      std::memcpy(block + code_bytes, scales, sizeof scales);
+    }
+  }
+
+  // The tile range of the next pass's window.
+  void next_window(int64_t& t0, int64_t& t1) {
+    t0 = passes++ % windows * window_tiles;
+    t1 = t0 + window_tiles;
+  }
+
+  // Seconds of a streaming read (with software prefetch or without) of the next window,
+  // times `windows`: the read of the whole stream at that speed.
+  double read(bool prefetch, uint64_t& checksum) {
+    int64_t t0, t1;
+    next_window(t0, t1);
+    const uint8_t* p = w.stream + t0 * w.strip_bytes_per_tile();
+    const int64_t bytes = (t1 - t0) * w.strip_bytes_per_tile();
+    const auto start = Clock::now();
+    checksum += prefetch ? read_stream<8192>(p, bytes) : read_stream<0>(p, bytes);
+    return seconds_since(start) * static_cast<double>(windows);
+  }
+
+  // Seconds of one decode (M = 1) of the next window by `fn`, times `windows`.
   double time(MatMulFn fn) {
     MatMulArgs args;
     args.A = a.data();
@@ -136,9 +174,11 @@ struct Synthetic {
     args.ldy = w.N;
     args.W = &w;
     args.QA = &qa;
-    const auto t0 = Clock::now();
-    fn(args, 0, w.tiles);
-    return seconds_since(t0);
+    int64_t t0, t1;
+    next_window(t0, t1);
+    const auto start = Clock::now();
+    fn(args, t0, t1);
+    return seconds_since(start) * static_cast<double>(windows);
   }
 };
 
@@ -157,7 +197,9 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   int64_t bytes = options.stream_bytes;
   if (bytes <= 0) bytes = std::clamp<int64_t>(2 * r.llc_bytes, int64_t(16) << 20, int64_t(256) << 20);
   Synthetic s(table, bytes);
-  r.stream_bytes = s.w.tiles * s.w.groups * s.w.block_bytes;
+  r.stream_bytes = s.w.tiles * s.w.strip_bytes_per_tile();
+  r.windows = static_cast<int>(s.windows);
+  r.window_bytes = s.window_tiles * s.w.strip_bytes_per_tile();
   r.setup_seconds = seconds_since(setup0);
 
   const int n = table.variant_count;
@@ -192,13 +234,9 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   std::mt19937 rng(12345);
   while (r.rounds < kTuneMinRounds || seconds_since(t0) + round_seconds <= options.budget_seconds) {
     const auto round0 = Clock::now();
-    double best_read = 1e30;
-    for (int form = 0; form < 2; ++form) {
-      const auto r0 = Clock::now();
-      checksum += form == 0 ? read_stream<8192>(s.w.stream, r.stream_bytes) : read_stream<0>(s.w.stream, r.stream_bytes);
-      best_read = std::min(best_read, seconds_since(r0));
-    }
-    read.push_back(best_read);
+    // Two statements: the reads take windows in turn, so their order must be fixed.
+    const double prefetched = s.read(true, checksum);
+    read.push_back(std::min(prefetched, s.read(false, checksum)));
     // A new order each round: a pass may find some of the stream its predecessor left in
     // the last-level cache, so no variant may always follow the same one.
     std::vector<int> order;

@@ -21,14 +21,24 @@ struct TuneOptions {
   int64_t stream_bytes = 0;
 };
 
+// A stream larger than this is timed in equal windows (whole strips) of at most this many
+// bytes, one window per pass in rotation, so that a pass takes the same time whatever the
+// stream size while a window is read again only after the other windows (the rest of the
+// stream, at least the last-level cache) have been read since: still from DRAM.
+constexpr int64_t kTuneWindowBytes = int64_t(64) << 20;
+
 struct TuneReport {
   std::string table;              // the kernel table's name
   int64_t stream_bytes = 0;
+  int64_t window_bytes = 0;       // bytes one pass reads (stream_bytes / windows)
+  int windows = 0;                // equal windows of the stream, read in rotation (1: the whole stream per pass)
   int64_t llc_bytes = 0;          // last-level cache as the OS reports it (0: unknown)
   int rounds = 0;
   double setup_seconds = 0;       // allocating and filling the stream
   double elapsed_seconds = 0;     // the timing rounds
   double longest_round_seconds = 0;
+  // Times are of the whole stream: a pass's time over one window times `windows` (the
+  // windows hold equal tile counts).
   double read_seconds = 0;        // median over rounds of the faster of two streaming reads of the same bytes
   struct Row {
     std::string name;
@@ -41,7 +51,8 @@ struct TuneReport {
 };
 
 // Interleaved rounds (streaming reads, then every variant in both modes in an order
-// shuffled each round) over a stream larger than the last-level cache, at least
+// shuffled each round; each pass over the next window of the stream) over a stream larger
+// than the last-level cache, at least
 // kTuneMinRounds of them. From the second round on, a candidate whose median time over the
 // default is more than kTuneDropFactor times the best one's is no longer timed. Per mode
 // the variant with the lowest median time relative to the default in the same round, among
