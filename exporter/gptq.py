@@ -18,7 +18,11 @@ Details, as in the reference implementation:
   first channel, from the weights as the sweep has updated them (groups found on the fly);
 * scales are rounded to the stored dtype (float16 by default; float32 for the whole weight when
   float16 cannot hold one of them) as soon as they are chosen, so the sweep rounds and
-  spreads the error against the scales the op will read;
+  spreads the error against the scales the op will read. int8 scales need their run's
+  super-scale before the sweep reaches the run: it is taken from the scales the rule gives the
+  weights before the sweep (``contract.int8_scales``), and each scale chosen on the way is
+  rounded to an int8 multiple of it (clamped to +-127: a group the sweep made larger than any
+  of its run was keeps the run's largest scale);
 * ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
   scale is chosen first, from the original weights, so the groups stay the op's contiguous K
   groups whatever the order).
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract import DEFAULT_BITS, check_bits, q_range, row_bytes
+from ..contract import DEFAULT_BITS, check_bits, int8_scales, q_range, row_bytes, scale_values, supers_of
 from .quantize import DEFAULT_SCALE_DTYPE, QuantizedWeight, pack, stored_dtype, stored_scales
 from .scale_rules import group_scales
 
@@ -135,21 +139,36 @@ def gptq_quantize(
     block = max(group_size, block - block % group_size)
     packed = np.empty((n, row_bytes(kp, bits)), dtype=np.uint8)
     step = max(1, _ROW_BLOCK_BYTES // (4 * kp))
-    scales = np.empty((n, groups), dtype=np.dtype(scale_dtype))
-    chosen = _Chooser(scale_rule, scale_dtype, bits)
+    int8 = scale_dtype == "int8"
+    scales = np.empty((n, groups), dtype=np.float32 if int8 else np.dtype(scale_dtype))
+    supers = np.empty((n, supers_of(groups)), dtype=np.float16) if int8 else None
     try:
         for r0 in range(0, n, step):
             wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
             wt[:, :k] = w[:, r0 : r0 + step].T
-            s = chosen(wt.reshape(len(wt), groups, group_size)) if static else None
+            rows_supers = _super_scales(wt, groups, group_size, scale_rule, bits) if int8 else None
+            if supers is not None:
+                supers[r0 : r0 + step] = rows_supers
+            chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers)
+            s = chosen(wt.reshape(len(wt), groups, group_size), 0) if static else None
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
             codes = np.empty_like(q)
             codes[:, perm] = q
             packed[r0 : r0 + step] = pack(codes.astype(np.int8), bits)
             scales[r0 : r0 + step] = s
-    except _NotStorable:  # float16 cannot hold a scale of this weight: all of them float32, as quantize_weight does
+    except _NotStorable:  # float16 cannot hold a (super-)scale of this weight: all float32, as quantize_weight does
         return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32", bits=bits)
-    return QuantizedWeight(k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits)
+    return QuantizedWeight(
+        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers
+    )
+
+
+def _super_scales(wt: np.ndarray, groups: int, group_size: int, scale_rule: str, bits: int) -> np.ndarray:
+    """float16 super-scales [rows, supers] of the rule's scales of ``wt`` [rows, Kp] before the sweep."""
+    encoded = int8_scales(group_scales(wt.reshape(len(wt), groups, group_size), scale_rule, bits))
+    if encoded is None:
+        raise _NotStorable
+    return encoded[1]
 
 
 class _NotStorable(Exception):
@@ -158,14 +177,25 @@ class _NotStorable(Exception):
 
 @dataclass(frozen=True)
 class _Chooser:
-    """A group's scale by the export's rule, as stored (float32 values of the stored dtype)."""
+    """A group's scale by the export's rule, as stored (float32 values of the stored dtype).
+
+    ``supers``: int8 scales' float16 super-scales of the rows swept [rows, supers].
+    """
 
     scale_rule: str
     scale_dtype: str
     bits: int
+    supers: np.ndarray | None = None
 
-    def __call__(self, blocks: np.ndarray) -> np.ndarray:
+    def __call__(self, blocks: np.ndarray, g0: int) -> np.ndarray:
+        """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
         s = group_scales(blocks, self.scale_rule, self.bits)
+        if self.supers is not None:
+            groups = g0 + s.shape[1]
+            step = scale_values(np.ones((len(s), groups), np.int8), self.supers)[:, g0:]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.where(step > 0, np.rint(s / np.where(step > 0, step, 1)), 0)
+            return (np.clip(q, -127, 127).astype(np.float32) * step).astype(np.float32)
         if stored_dtype(s, self.scale_dtype) != self.scale_dtype:
             raise _NotStorable
         return stored_scales(s, self.scale_dtype).astype(np.float32)
@@ -193,7 +223,7 @@ def _sweep(
             col = i1 + i
             g = perm[col] // group_size
             if static is None and col % group_size == 0:
-                scales[:, g] = chosen(w1[:, None, i : i + group_size])[:, 0]
+                scales[:, g] = chosen(w1[:, None, i : i + group_size], g)[:, 0]
             s = scales[:, g]
             c = w1[:, i]
             qc = _rounded(c, s, chosen.bits)

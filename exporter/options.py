@@ -71,10 +71,11 @@ class ExportOptions:
       default it becomes an int4 CimInt4Gather and a tied LM head reads its tensors
       (docs/embeddings.md).
     * ``bits`` (an int, ``{node name or regex: bits}``, or ``"auto"``), ``bits_budget`` (average
-      bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"float16"``, the
-      default, or ``"float32"``): the code width of each layer and the stored scales' type
-      (exporter.widths, exporter.allocate, docs/widths.md). Methods ``rtn`` and ``gptq`` quantize
-      at any width (``bits="auto"`` then measures each width under that method); the AWQ ones at 4.
+      bits per weight incl. scales, with ``"auto"``) and ``scale_dtype`` (``"int8"`` with float16
+      super-scales, the default; ``"float16"``; ``"float32"``): the code width of each layer and
+      the stored scales' type (exporter.widths, exporter.allocate, docs/widths.md). Methods ``rtn``
+      and ``gptq`` quantize at any width (``bits="auto"`` then measures each width under that
+      method); the AWQ ones at 4. Every method writes every scale dtype.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -117,11 +118,6 @@ class ExportOptions:
             raise ValueError(
                 f"method {self.method!r} quantizes at {DEFAULT_BITS} bits only; "
                 f"use method 'rtn' or 'gptq' with bits={self.bits!r}"
-            )
-        if self.scale_dtype == "int8" and self.method != "rtn" and (self.method != "auto" or self.feeds is not None):
-            raise ValueError(
-                f"scale_dtype 'int8' works with method 'rtn' only (gptq and awq round against float16 or float32 "
-                f"scales); got method {self.method!r}" + (" with feeds" if self.method == "auto" else "")
             )
         if self.bits_budget is not None:
             if self.bits != AUTO:

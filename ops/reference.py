@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contract import COMPUTE_MODES, DEFAULT_BITS, GATED_ACTIVATIONS, check_compute, code_offset, unpack
+from ..contract import COMPUTE_MODES, DEFAULT_BITS, GATED_ACTIVATIONS, check_compute, code_offset, scale_values, unpack
 
 __all__ = [
     "COMPUTE_MODES", "GATED_ACTIVATIONS", "dequantize", "emulate", "error_bound", "gate", "gated", "gated_bound",
@@ -40,12 +40,19 @@ __all__ = [
 
 
 def dequantize(
-    packed: np.ndarray, scales: np.ndarray, k: int, group_size: int, bits: int = DEFAULT_BITS
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    group_size: int,
+    bits: int = DEFAULT_BITS,
+    super_scales: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The float64 weight ``[K, N]`` that the attributes stand for."""
+    """The float64 weight ``[K, N]`` that the attributes stand for (int8 ``scales`` with their ``super_scales``)."""
+    if np.asarray(scales).dtype == np.int8 and super_scales is None:
+        raise ValueError("int8 scales need their super_scales (contract.scale_values)")
     q = unpack(packed, bits).astype(np.float64)
     n = q.shape[0]
-    per_element = np.repeat(np.asarray(scales, dtype=np.float64), group_size, axis=1)
+    per_element = np.repeat(scale_values(scales, super_scales).astype(np.float64), group_size, axis=1)
     if per_element.shape != q.shape:
         raise ValueError(f"scales {scales.shape} do not match packed {packed.shape} for group_size {group_size}")
     return (q * per_element)[:, :k].T.reshape(k, n)

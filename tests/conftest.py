@@ -155,6 +155,13 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
+def attribute_scales(attrs: dict[str, object]) -> np.ndarray:
+    """The scale values of a node's attributes (as ``helper.get_attribute_value`` gives them): int8 scales
+    times their super-scales (``contract.scale_values``), float ones as float32."""
+    supers = numpy_helper.to_array(attrs["super_scales"]) if "super_scales" in attrs else None
+    return scale_values(numpy_helper.to_array(attrs["scales"]), supers)
+
+
 def dequantized_model(quantized: onnx.ModelProto) -> onnx.ModelProto:
     """``quantized`` with each CimInt4MatMul (any graph) as MatMul (+ Add) on its reference-dequantized weight.
 

@@ -19,6 +19,7 @@ import pytest
 from cim_int4.exporter import ExportOptions, quantize_weight
 from cim_int4.graphs import matmul_chain, mlp
 from cim_int4.ops.library import LIBRARY_ENV
+from conftest import attribute_scales
 from onnx import numpy_helper
 from test_compare import (
     _edit_attribute,
@@ -244,9 +245,7 @@ def test_cli_scale_rule_and_compute(mlp_file: Path, capsys) -> None:
     node = nodes_by_name(onnx.load(out))["fc0"]
     assert attributes(node)["compute"] == b"int8"
     w = numpy_helper.to_array(next(t for t in onnx.load(mlp_file).graph.initializer if t.name == "fc0.weight"))
-    np.testing.assert_array_equal(
-        numpy_helper.to_array(attributes(node)["scales"]), quantize_weight(w, 32, "signed").scales
-    )
+    np.testing.assert_array_equal(attribute_scales(attributes(node)), quantize_weight(w, 32, "signed").scales)
     for bad in (["--scale-rule", "median"], ["--compute", "fp16"]):
         code, _, err = run_cli(["export", str(mlp_file), "-o", str(out), *bad], capsys)
         assert code == 2 and "invalid choice" in err

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import make_session
 from cim_int4.cli import main
-from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE
+from cim_int4.contract import GATHER_OP_TYPE, OP_DOMAIN, OP_TYPE, encode_int8_scales
 
 HERE = Path(__file__).resolve().parent
 GENAI = HERE / "genai"
@@ -79,8 +79,9 @@ def test_a_tied_head_reads_the_one_int4_table_of_the_embedding(tied: str) -> Non
     q, summary = export_with_summary(model)
     (gather,) = nodes_of(q, GATHER_OP_TYPE)
     head = next(n for n in nodes_of(q, OP_TYPE) if n.name == "lm_head")
-    assert list(head.input[1:]) == [gather.input[0], gather.input[2]]
-    assert not {a.name for a in head.attribute} & {"packed", "scales"}
+    # codes, int8 scales and their super-scales (the default scale dtype)
+    assert list(head.input[1:]) == [gather.input[0], *gather.input[2:]] and len(gather.input) == 4
+    assert not {a.name for a in head.attribute} & {"packed", "scales", "super_scales"}
     # One copy: the table's codes and the mlp's; no FP32 table or transposed copy left.
     assert sorted(tuple(t.dims) for t in int4_tables(q)) == [(H, H // 2), (V, H // 2)]
     assert not [t for t in q.graph.initializer if t.data_type == TensorProto.FLOAT and t.dims == [V, H]]
@@ -95,8 +96,8 @@ def test_the_tied_model_equals_the_untied_one_bit_for_bit() -> None:
     untied.CopyFrom(q)
     head = next(n for n in untied.graph.node if n.name == "lm_head")
     tables = {t.name: numpy_helper.to_array(t) for t in untied.graph.initializer}
-    head.attribute.extend([helper.make_attribute("packed", numpy_helper.from_array(tables[head.input[1]], "packed")),
-                           helper.make_attribute("scales", numpy_helper.from_array(tables[head.input[2]], "scales"))])
+    head.attribute.extend([helper.make_attribute(name, numpy_helper.from_array(tables[source], name))
+                           for name, source in zip(("packed", "scales", "super_scales"), head.input[1:], strict=False)])
     del head.input[1:]
     for compute in ("fp32", "int8"):
         for a in [*head.attribute, *next(n for n in q.graph.node if n.name == "lm_head").attribute]:
@@ -115,7 +116,8 @@ def test_the_table_is_quantized_as_the_head_weight_would_be() -> None:
 
     qw = quantize_weight(w(1, V, H).T, 32, "signed")
     np.testing.assert_array_equal(tables[gather.input[0]], qw.packed)
-    np.testing.assert_array_equal(tables[gather.input[2]], qw.scales)
+    np.testing.assert_array_equal(tables[gather.input[2]], encode_int8_scales(qw.scales, qw.super_scales))
+    np.testing.assert_array_equal(tables[gather.input[3]], qw.super_scales)
     y = make_session(q, threads=1).run(None, IDS)[0]
     assert y.shape == (4, V)
 

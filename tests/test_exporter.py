@@ -15,7 +15,7 @@ from cim_int4.exporter import DEFAULT_COMPUTE, SCALE_RULES, export_with_summary,
 from cim_int4.exporter.api import max_ir_version
 from cim_int4.graphs import LlamaConfig, llama_decoder, mlp, random_input
 from cim_int4.ops import reference
-from conftest import dequantized_model
+from conftest import attribute_scales, dequantized_model
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import ExportError, NothingToQuantize, export_int4, make_session
@@ -58,6 +58,11 @@ def nodes_by_name(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
 
 def attributes(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def dequantized(a: dict[str, object], k: int, group_size: int) -> np.ndarray:
+    """The weight [K, N] of a node's attributes ``a``."""
+    return reference.dequantize(numpy_helper.to_array(a["packed"]), attribute_scales(a), k, group_size)
 
 
 def run_fp32(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -124,7 +129,7 @@ def test_mlp_rewrite(mlp_model: onnx.ModelProto) -> None:
     assert (fc1["K"], fc1["N"], fc1["group_size"]) == (512, 512, 32)
     inits = {t.name: numpy_helper.to_array(t) for t in mlp_model.graph.initializer}
     np.testing.assert_array_equal(numpy_helper.to_array(fc1["bias"]), inits["fc1.bias"])
-    deq = reference.dequantize(numpy_helper.to_array(fc1["packed"]), numpy_helper.to_array(fc1["scales"]), 512, 32)
+    deq = dequantized(fc1, 512, 32)
     # INT4 noise is ~9% of the weight; the wrong orientation [N, K] would be ~140%.
     assert weight_error(deq, inits["fc1.weight"].T) < 0.15
     assert "bias" not in attributes(ops["fc0"]) and "bias" not in attributes(ops["fc2"])
@@ -382,7 +387,7 @@ def test_constant_node_weight_is_quantized() -> None:
     assert [r.name for r in summary.rewritten] == ["mm"]
     assert [n.op_type for n in q.graph.node] == [OP_TYPE], "the now unused Constant node must go"
     a = attributes(q.graph.node[0])
-    deq = reference.dequantize(numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), 64, 32)
+    deq = dequantized(a, 64, 32)
     assert weight_error(deq, w) < 0.15
 
 
@@ -408,7 +413,7 @@ def test_gemm_alpha_beta_fold_and_trans_a() -> None:
     assert [n.op_type for n in q.graph.node] == [OP_TYPE, "Transpose", OP_TYPE], "transA=1 becomes a Transpose"
     a = attributes(nodes_by_name(q)["g"])
     np.testing.assert_array_equal(numpy_helper.to_array(a["bias"]), 2.0 * c)
-    deq = reference.dequantize(numpy_helper.to_array(a["packed"]), numpy_helper.to_array(a["scales"]), k, 32)
+    deq = dequantized(a, k, 32)
     assert weight_error(deq, 0.5 * b) < 0.15
     x_val, xt_val = rng.standard_normal((3, k)).astype(np.float32), rng.standard_normal((k, 3)).astype(np.float32)
     feeds = {"x": x_val, "xt": xt_val}

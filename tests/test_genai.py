@@ -208,7 +208,7 @@ def test_exported_folder_takes_the_compute_mode_asked_for(compute: str, tmp_path
 
 @pytest.mark.parametrize("scale_dtype", [None, "float32"])
 def test_exported_folder_takes_the_scale_dtype_asked_for(scale_dtype: str | None, tmp_path: Path) -> None:
-    # float16 scales unless asked otherwise (`cim-int4 genai --scale-dtype float32` keeps the older files).
+    # int8 scales unless asked otherwise (`cim-int4 genai --scale-dtype float32` keeps the older files).
     args = ["genai", str(FP32), "-o", str(tmp_path / "out"), "-q"]
     assert main(args + (["--scale-dtype", scale_dtype] if scale_dtype else [])) == 0
     model = onnx.load(str(tmp_path / "out" / "model.onnx"))
@@ -219,7 +219,7 @@ def test_exported_folder_takes_the_scale_dtype_asked_for(scale_dtype: str | None
         for a in n.attribute
         if a.name == "scales"
     }
-    assert dtypes == {scale_dtype or "float16"}
+    assert dtypes == {scale_dtype or "int8"}
 
 
 @pytest.mark.parametrize("source", [FP32, INT4], ids=["exported", "converted"])

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from cim_int4.exporter import ExportOptions, export_with_summary, quantize_weight
+from cim_int4.exporter import export_with_summary, quantize_weight
+from cim_int4.exporter.gptq import gptq_quantize, weighted_error
 from cim_int4.exporter.widths import bits_per_weight
 from conftest import check, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
@@ -127,14 +128,14 @@ def mlp() -> onnx.ModelProto:
 def test_an_int8_scale_export_runs_and_matches_its_dequantized_twin(compute: str) -> None:
     model = mlp()
     q, summary = export_with_summary(model, scale_dtype="int8", compute=compute)
-    half, _ = export_with_summary(model, compute=compute)
+    half, half_summary = export_with_summary(model, scale_dtype="float16", compute=compute)
     for node in (n for n in q.graph.node if n.op_type == OP_TYPE):
         scales = next(a.t for a in node.attribute if a.name == "scales")
         assert scales.data_type == TensorProto.INT8
     x = {"x": np.random.default_rng(3).standard_normal((5, 320)).astype(np.float32)}
     check(model, q, x, rtol=1e-4 if compute == "fp32" else 2e-2)  # int8 mode also rounds the activations
     # Fewer bytes than float16 scales, at about their accuracy.
-    assert summary.bytes_after < export_with_summary(model)[1].bytes_after
+    assert summary.bytes_after < half_summary.bytes_after
     a, b, f = (make_session(m, threads=1).run(None, x)[0] for m in (q, half, model))
     err_int8, err_half = (np.linalg.norm(y - f) / np.linalg.norm(f) for y in (a, b))
     assert err_int8 < 1.05 * err_half, (err_int8, err_half)
@@ -187,10 +188,50 @@ def test_a_tied_table_is_stored_once_with_int8_scales_and_super_scales() -> None
     check(model, q, {"ids": np.array([0, 5, V - 1, -2], np.int64)})
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_methods_refuse_int8_scales_in_one_line(method: str) -> None:
-    with pytest.raises(ValueError, match="scale_dtype 'int8' works with method 'rtn' only"):
-        ExportOptions(method=method, scale_dtype="int8")
+def calibration_rows(seed: int, rows: int, k: int) -> np.ndarray:
+    """Inputs with a few hot channels and a shared component, as a real LLM's (where GPTQ and AWQ gain)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) + 0.7 * rng.standard_normal((rows, 1)) * rng.standard_normal(k)
+    x[:, rng.choice(k, k // 32, replace=False)] *= 30
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_int8_scales_is_round_to_nearest_when_inputs_are_uncorrelated(act_order: bool) -> None:
+    # H = I: rounding a column moves nothing else, so GPTQ's int8 scales and codes are RTN's, bit for bit.
+    weight = w(6, 300, 24)
+    got = gptq_quantize(weight, np.eye(300), 32, "mse", act_order=act_order, scale_dtype="int8")
+    want = quantize_weight(weight, 32, "mse", 4, "int8")
+    assert got.super_scales is not None and got.super_scales.dtype == np.float16
+    for a, b in ((got.packed, want.packed), (got.scales, want.scales), (got.super_scales, want.super_scales)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("act_order", "bits"), [(False, 4), (True, 4), (True, 3)])
+def test_gptq_rounds_against_int8_scales_and_keeps_float16_scales_accuracy(act_order: bool, bits: int) -> None:
+    weight = w(7, 200, 48)  # K not a multiple of the group, nor of a super-block: 7 groups, one run
+    x = calibration_rows(8, 1024, 200)
+    h = x.T.astype(np.float64) @ x
+    got = gptq_quantize(weight, h, 32, "mse", act_order=act_order, scale_dtype="int8", bits=bits)
+    assert got.super_scales.shape == (48, 1)
+    encode_int8_scales(got.scales, got.super_scales)  # every scale is an int8 multiple of its super-scale
+    half = gptq_quantize(weight, h, 32, "mse", act_order=act_order, bits=bits)
+    rtn = quantize_weight(weight, 32, "mse", bits, "int8")
+    e_int8, e_half, e_rtn = (weighted_error(weight, q, h) for q in (got, half, rtn))
+    assert e_int8 < 0.8 * e_rtn and e_int8 < 1.05 * e_half, (e_int8, e_half, e_rtn)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
+def test_calibrated_exports_write_int8_scales_and_match_their_dequantized_twin(method: str) -> None:
+    model = mlp()
+    rows = calibration_rows(9, 256, 320)
+    q, _ = export_with_summary(
+        model, feeds=[{"x": rows[:128]}, {"x": rows[128:]}], method=method, scale_dtype="int8", compute="fp32"
+    )
+    nodes = [n for n in q.graph.node if n.op_type == OP_TYPE]
+    assert nodes and all(next(a.t for a in n.attribute if a.name == "scales").data_type == TensorProto.INT8
+                         for n in nodes)
+    check(model, q, {"x": rows[:5]}, rtol=1e-4)
 
 
 def test_validate_reads_int8_scales_as_their_values(tmp_path) -> None:  # noqa: ANN001

@@ -117,22 +117,25 @@ def test_quantize_weight_fields() -> None:
     qw = quantize_weight(w, 16)
     assert (qw.k, qw.n, qw.group_size) == (50, 3, 16)
     assert qw.packed.dtype == np.uint8 and qw.packed.shape == (3, 32)
-    assert qw.scales.dtype == np.float16 and qw.scales.shape == (3, 4)  # the default scale dtype
+    # The default scale dtype: int8 fractions of a float16 super-scale per 8 groups (values kept as float32).
+    assert qw.scales.dtype == np.float32 and qw.scales.shape == (3, 4)
+    assert qw.super_scales is not None and qw.super_scales.dtype == np.float16 and qw.super_scales.shape == (3, 1)
 
 
-def test_scales_float16_cannot_hold_stay_float32() -> None:
-    """A weight whose scales overflow float16 (or sink below its precision) keeps float32 scales, all of them."""
+@pytest.mark.parametrize("scale_dtype", ["float16", "int8"])
+def test_scales_float16_cannot_hold_stay_float32(scale_dtype: str) -> None:
+    """A weight whose (super-)scales overflow float16 (or sink below its precision) keeps float32 scales, all."""
     rng = np.random.default_rng(3)
     for factor in (1e6, 1e-7):
         w = rng.standard_normal((64, 40)).astype(np.float32)
         w[:, 7] *= np.float32(factor)  # one output channel far outside float16's range
-        qw = quantize_weight(w, 32, "signed")
-        assert qw.scales.dtype == np.float32, factor
+        qw = quantize_weight(w, 32, "signed", scale_dtype=scale_dtype)
+        assert qw.scales.dtype == np.float32 and qw.super_scales is None, factor
         ref = quantize_weight(w, 32, "signed", scale_dtype="float32")
         np.testing.assert_array_equal(qw.packed, ref.packed)
         np.testing.assert_array_equal(qw.scales, ref.scales)
-    plain = quantize_weight(rng.standard_normal((64, 40)).astype(np.float32), 32, "signed")
-    assert plain.scales.dtype == np.float16
+    plain = quantize_weight(rng.standard_normal((64, 40)).astype(np.float32), 32, "signed", scale_dtype=scale_dtype)
+    assert (plain.scales.dtype == np.float16) if scale_dtype == "float16" else (plain.super_scales is not None)
 
 
 # ---------------------------------------------------------------- an exported node, byte for byte

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from cim_int4.exporter import export_with_summary, quantize_weight
 from cim_int4.exporter.subgraph import all_graphs
-from conftest import check, dequantized_model, init, model_of, w
+from conftest import attribute_scales, check, dequantized_model, init, model_of, w
 from onnx import TensorProto, helper, numpy_helper
 
 from cim_int4 import from_matmulnbits, make_session
@@ -279,14 +279,14 @@ def test_subgraph_and_fp16_weights_use_the_scale_rule_and_compute(rule: str) -> 
     assert sorted(nodes) == sorted(weights) and f"scale rule {rule}, compute int8" in summary.format()
     for name, weight in weights.items():
         want = quantize_weight(weight, 32, rule).scales
-        np.testing.assert_array_equal(numpy_helper.to_array(nodes[name]["scales"]), want)
+        np.testing.assert_array_equal(attribute_scales(nodes[name]), want)
         assert nodes[name]["compute"] == b"int8"
     wq = w(0, K, N, dtype=np.float16)
     nodes_fp16 = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj")]
     fp16 = model_of(nodes_fp16, [("x", ["M", K])], [("q", ["M", N])], [init("wq", wq)], elem=F16)
     q16, _ = export_with_summary(fp16, scale_rule=rule)
     want = quantize_weight(wq.astype(np.float32), 32, rule).scales
-    np.testing.assert_array_equal(numpy_helper.to_array(op_nodes(q16)["q_proj"]["scales"]), want)
+    np.testing.assert_array_equal(attribute_scales(op_nodes(q16)["q_proj"]), want)
 
 
 def test_mixed_precision_sees_subgraph_layers() -> None:

@@ -141,11 +141,11 @@ def test_export_writes_each_layer_at_its_width() -> None:
     assert f"{bpw:.3f}" in one.format()
 
 
-def test_default_export_writes_no_bits_attribute_and_float16_scales() -> None:
+def test_default_export_writes_no_bits_attribute_and_int8_scales() -> None:
     model = onnx.load(MODELS / "llama.onnx")
     out, _ = export_with_summary(model)
     nodes = [n for n in out.graph.node if n.domain == "dbhoo.cim"]
     assert nodes and not any(a.name == "bits" for n in nodes for a in n.attribute)
-    assert all(
-        onnx.numpy_helper.to_array(a.t).dtype == np.float16 for n in nodes for a in n.attribute if a.name == "scales"
-    )
+    tensors = [a for n in nodes for a in n.attribute if a.name in ("scales", "super_scales")]
+    dtypes = {(a.name, onnx.numpy_helper.to_array(a.t).dtype) for a in tensors}
+    assert dtypes == {("scales", np.dtype(np.int8)), ("super_scales", np.dtype(np.float16))}

@@ -1,6 +1,6 @@
-"""int8 vs float16 group scales on one chain, M = 1: paired per-round ratios (docs/widths.md, "8-bit group scales").
+"""int8 vs float16 group scales on one chain: paired per-round ratios (docs/widths.md, "8-bit group scales").
 
-    CIM_INT4_VARIANT=n4-nopf .venv/bin/python tools/ab_scales.py [--rounds 41] [--layers 16] [--dim 4096]
+    CIM_INT4_VARIANT=n4-nopf .venv/bin/python tools/ab_scales.py [--rounds 41] [--layers 16] [--dim 4096] [--m 1]
 
 Both compute modes, 1 and 2 threads; prints each form's median time and the median (and quartiles)
 over rounds of float16's time over int8's in the same round, with the CPU's name.
@@ -26,15 +26,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--m", type=int, default=1, help="rows of the input (1: decode; 128: prefill)")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}; variant {os.environ.get('CIM_INT4_VARIANT', 'as tuned')}; "
-          f"{args.layers} x {args.dim}^2, M = 1, {args.rounds} rounds")
+          f"{args.layers} x {args.dim}^2, M = {args.m}, {args.rounds} rounds")
     for compute in ("int8", "fp32"):
         models = {name: cim_chain(4, dtype, args.dim, args.layers, compute)
                   for name, dtype in (("f16", np.float16), ("i8", np.int8))}
         for threads in (1, 2):
             sessions = {name: bench_session(model, threads) for name, model in models.items()}
-            feeds = {"x0": np.random.default_rng(1).standard_normal((1, args.dim)).astype(np.float32)}
+            feeds = {"x0": np.random.default_rng(1).standard_normal((args.m, args.dim)).astype(np.float32)}
             calls = {name: partial(s.run, None, feeds) for name, s in sessions.items()}
             for call in calls.values():
                 call()

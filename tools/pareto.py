@@ -6,13 +6,14 @@
 
 Accuracy (the cases of tests/models/accuracy.py, embedding FP32 and the same layers as
 MatMulNBits quantizes): mean and worst output cosine vs FP32 over ``--batches`` evaluation
-batches, for every uniform width with float32 and float16 scales (default scale rule), for
+batches, for every uniform width with float32, float16 and int8 scales (default scale rule), for
 ``bits="auto"`` at each budget (float16 scales; calibrated on batch 0, never an evaluation
 batch), and for MatMulNBits 4-bit (and 8-bit where ORT's quantizer makes it), accuracy level 0.
 Ours run with the op library when it runs the model, else as the dequantized-FP32 twin
 (tools/dequantized_twin.py: what fp32 compute mode computes, up to summation order); the
-``how`` column says which. The float16-vs-float32 scales comparison per case: the difference of
-mean cosine beside the standard error of a batch's mean cosine (the noise between draws).
+``how`` column says which. The scales comparison per case (float16 and int8 against float32, int8
+against float16): the difference of mean cosine beside the standard error of a batch's mean cosine
+(the noise between draws).
 
 ``--llm``: scores.json files of ``tools/widths_real_llm.py score`` add the real-LLM points
 (perplexity, and the gap to FP32 as a multiple of MatMulNBits int4 RTN's on the same windows).
@@ -35,6 +36,10 @@ import numpy as np
 import onnx
 
 HERE = Path(__file__).parent
+# Stored scale dtypes compared, and their tag in variant names ("cim 4-bit 16").
+SCALE_TAGS = {"float32": "32", "float16": "16", "int8": "i8"}
+# (tag, against): the scale comparisons of the noise table.
+SCALE_PAIRS = (("16", "32"), ("i8", "32"), ("i8", "16"))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "models"))
 
@@ -125,10 +130,10 @@ def _case(name: str, batches: int, widths: list[int], budgets: list[float]) -> l
     left = [n.name for n in nbits4.graph.node if n.op_type in ("MatMul", "Gemm") and n.name]
     common = {"exclude": left, "keep_embedding": True}
     for bits in widths:
-        for dtype in ("float32", "float16"):
+        for dtype, tag in SCALE_TAGS.items():
             quantized, summary = export_with_summary(model, bits=bits, scale_dtype=dtype, **common)
             bpw = 8 * summary.bytes_after / sum(r.k * r.n for r in summary.rewritten)
-            add(f"cim {bits}-bit {dtype[5:]}", quantized, bpw)
+            add(f"cim {bits}-bit {tag}", quantized, bpw)
     for budget in budgets:
         quantized, summary = export_with_summary(
             model, bits="auto", bits_budget=budget, scale_dtype="float16", feeds=calibration, **common
@@ -145,19 +150,22 @@ def _case(name: str, batches: int, widths: list[int], budgets: list[float]) -> l
 
 
 def scale_dtype_noise(rows: list[dict]) -> list[dict]:
-    """Per case and width: mean cosine float16 - float32 scales, and the standard error of a batch's mean cosine."""
+    """Per case, width and SCALE_PAIRS pair: the difference of mean cosine, and the standard error of a batch's mean."""
     out = []
     by = {(r["case"], r["variant"]): r for r in rows}
-    for (case, variant), r16 in by.items():
-        if not variant.endswith(" 16"):
-            continue
-        r32 = by[(case, variant[:-3] + " 32")]
-        means = np.array(r32["batch_means"])
-        paired = np.array(r16["batch_means"]) - means
-        n = len(means)
-        out.append({"case": case, "variant": variant[:-3], "delta": r16["mean_cosine"] - r32["mean_cosine"],
-                    "batch_std_err": float(means.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
-                    "paired_std_err": float(paired.std(ddof=1) / np.sqrt(n)) if n > 1 else None})  # fmt: skip
+    for (case, variant), r in by.items():
+        width, _, tag = variant.rpartition(" ")
+        for this, against in SCALE_PAIRS:
+            base = by.get((case, f"{width} {against}"))
+            if tag != this or not width.endswith("-bit") or base is None:
+                continue
+            means = np.array(base["batch_means"])
+            paired = np.array(r["batch_means"]) - means
+            n = len(means)
+            out.append({"case": case, "variant": width, "scales": f"{this} - {against}",
+                        "delta": r["mean_cosine"] - base["mean_cosine"],
+                        "batch_std_err": float(means.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
+                        "paired_std_err": float(paired.std(ddof=1) / np.sqrt(n)) if n > 1 else None})  # fmt: skip
     return out
 
 
@@ -178,9 +186,9 @@ def speed(layers: int, dim: int, widths: list[int], threads: list[int]) -> list[
     feeds = random_input(model, {"M": 1}, seed=0)
     variants: dict[str, tuple[onnx.ModelProto, float]] = {}
     for bits in widths:
-        for dtype in ("float32", "float16"):
+        for dtype, tag in SCALE_TAGS.items():
             q, s = export_with_summary(model, bits=bits, scale_dtype=dtype, scale_rule="signed", compute="int8")
-            variants[f"cim {bits}-bit {dtype[5:]} int8"] = (q, 8 * s.bytes_after / (layers * dim * dim))
+            variants[f"cim {bits}-bit {tag} int8"] = (q, 8 * s.bytes_after / (layers * dim * dim))
     from cim_int4.bench.variants import quantize_nbits
 
     nb = quantize_nbits(model, accuracy_level=4)
@@ -214,10 +222,10 @@ def markdown(rows: list[dict], noise: list[dict], llm: list[dict], speeds: list[
     lines += [f"| {r['case']} | {r['variant']} | {r['bits_per_weight']:.3f} | {r['mean_cosine']:.6f} | "
               f"{r['worst_cosine']:.6f} | {r['how']} |" for r in rows]  # fmt: skip
     if noise:
-        lines += ["", "| model | width | mean cosine fp16 - fp32 scales | std. error of a batch mean | "
-                  "paired std. error |", "|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {n['case']} | {n['variant']} | {n['delta']:+.2e} | {n['batch_std_err'] or 0:.2e} | "
-                  f"{n['paired_std_err'] or 0:.2e} |" for n in noise]  # fmt: skip
+        lines += ["", "| model | width | scales | mean cosine difference | std. error of a batch mean | "
+                  "paired std. error |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {n['case']} | {n['variant']} | {n['scales']} | {n['delta']:+.2e} | "
+                  f"{n['batch_std_err'] or 0:.2e} | {n['paired_std_err'] or 0:.2e} |" for n in noise]  # fmt: skip
     if llm:
         lines += ["", "| LLM | variant | bits per weight | perplexity | gap / MatMulNBits RTN gap |"]
         lines += ["|---|---|---|---|---|"]
