@@ -16,13 +16,14 @@ Details, as in the reference implementation:
   column; the rest of the weight is updated once per block with one matrix product;
 * groups: a group's scale is chosen (by the export's scale rule) when the sweep reaches its
   first channel, from the weights as the sweep has updated them (groups found on the fly);
-* scales are rounded to the stored dtype (float16 by default; float32 for the whole weight when
-  float16 cannot hold one of them) as soon as they are chosen, so the sweep rounds and
-  spreads the error against the scales the op will read. int8 scales need their run's
-  super-scale before the sweep reaches the run: it is taken from the scales the rule gives the
-  weights before the sweep (``contract.int8_scales``), and each scale chosen on the way is
-  rounded to an int8 multiple of it (clamped to +-127: a group the sweep made larger than any
-  of its run was keeps the run's largest scale);
+* scales are rounded to the stored dtype (int8 by default, float16, float32; float32 for the
+  whole weight when float16 cannot hold one of them or of its super-scales) as soon as they are
+  chosen, so the sweep rounds and spreads the error against the scales the op will read. int8
+  scales: when the sweep reaches the first group of a run of ``SUPER_GROUPS`` groups, the run's
+  float16 super-scale is taken from the rule's scales of the run's weights as the sweep has
+  updated them so far (``contract.int8_scales``; with ``act_order``, whose scales are all chosen
+  first, from the weights before the sweep), and each scale chosen in the run is rounded to an
+  int8 multiple of it (``contract.int8_multiple``: within +-127, a nonzero scale never 0);
 * ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
   scale is chosen first, from the original weights, so the groups stay the op's contiguous K
   groups whatever the order).
@@ -36,7 +37,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract import DEFAULT_BITS, check_bits, int8_scales, q_range, row_bytes, scale_values, supers_of
+from ..contract import (
+    DEFAULT_BITS,
+    SUPER_GROUPS,
+    check_bits,
+    int8_multiple,
+    int8_scales,
+    q_range,
+    row_bytes,
+    scale_values,
+    supers_of,
+)
 from .quantize import DEFAULT_SCALE_DTYPE, QuantizedWeight, pack, stored_dtype, stored_scales
 from .scale_rules import group_scales
 
@@ -146,9 +157,9 @@ def gptq_quantize(
         for r0 in range(0, n, step):
             wt = np.zeros((min(step, n - r0), kp), dtype=np.float32)
             wt[:, :k] = w[:, r0 : r0 + step].T
+            # int8: every run's super-scale from the weights before the sweep; without act order the
+            # sweep sets each run's again when it gets there (_sweep).
             rows_supers = _super_scales(wt, groups, group_size, scale_rule, bits) if int8 else None
-            if supers is not None:
-                supers[r0 : r0 + step] = rows_supers
             chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers)
             s = chosen(wt.reshape(len(wt), groups, group_size), 0) if static else None
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
@@ -156,6 +167,8 @@ def gptq_quantize(
             codes[:, perm] = q
             packed[r0 : r0 + step] = pack(codes.astype(np.int8), bits)
             scales[r0 : r0 + step] = s
+            if supers is not None:
+                supers[r0 : r0 + step] = rows_supers
     except _NotStorable:  # float16 cannot hold a (super-)scale of this weight: all float32, as quantize_weight does
         return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32", bits=bits)
     return QuantizedWeight(
@@ -191,14 +204,19 @@ class _Chooser:
         """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
         s = group_scales(blocks, self.scale_rule, self.bits)
         if self.supers is not None:
-            groups = g0 + s.shape[1]
-            step = scale_values(np.ones((len(s), groups), np.int8), self.supers)[:, g0:]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q = np.where(step > 0, np.rint(s / np.where(step > 0, step, 1)), 0)
-            return (np.clip(q, -127, 127).astype(np.float32) * step).astype(np.float32)
+            step = scale_values(np.ones((len(s), g0 + s.shape[1]), np.int8), self.supers)[:, g0:]
+            return int8_multiple(s, step).astype(np.float32) * step
         if stored_dtype(s, self.scale_dtype) != self.scale_dtype:
             raise _NotStorable
         return stored_scales(s, self.scale_dtype).astype(np.float32)
+
+    def start_run(self, blocks: np.ndarray, run: int) -> None:
+        """int8 scales: run ``run``'s super-scales from its groups' weights ``blocks`` [rows, groups, group_size]."""
+        if self.supers is not None:
+            encoded = int8_scales(group_scales(blocks, self.scale_rule, self.bits))
+            if encoded is None:
+                raise _NotStorable
+            self.supers[:, run] = encoded[1][:, 0]
 
 
 def _sweep(
@@ -223,6 +241,10 @@ def _sweep(
             col = i1 + i
             g = perm[col] // group_size
             if static is None and col % group_size == 0:
+                if g % SUPER_GROUPS == 0:  # a run's first group: its super-scale from the weights as updated so far
+                    end = min(col + SUPER_GROUPS * group_size, kp)
+                    run = np.concatenate([w1[:, i : i + end - col], wt[:, i2:end]], axis=1)
+                    chosen.start_run(run.reshape(rows, -1, group_size), g // SUPER_GROUPS)
                 scales[:, g] = chosen(w1[:, None, i : i + group_size], g)[:, 0]
             s = scales[:, g]
             c = w1[:, i]

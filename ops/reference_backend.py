@@ -197,7 +197,7 @@ def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
     groups = -(-k // group_size)
     rows = packed.shape[0] if packed.ndim else 0
     width = row_bytes(groups * group_size, bits)
-    int8 = len(node.input) == 4
+    int8 = len(node.input) == 4 and bool(node.input[3])  # an empty optional input is absent, as in the op
     super_scales = _initializer(initializers, node, 3, "super_scales") if int8 else None
     if (
         packed.dtype != np.uint8

@@ -221,6 +221,25 @@ def test_gptq_rounds_against_int8_scales_and_keeps_float16_scales_accuracy(act_o
     assert e_int8 < 0.8 * e_rtn and e_int8 < 1.05 * e_half, (e_int8, e_half, e_rtn)
 
 
+def test_gptq_takes_a_runs_super_scale_from_the_weights_as_its_sweep_updated_them() -> None:
+    # Input channels 256.. are zero: only the error GPTQ spreads fills their run, so a super-scale from the
+    # weights before the sweep (0) would zero it (error 1.82x float16 scales' when that was the rule).
+    weight = w(3, 512, 16)
+    weight[256:] = 0
+    x = calibration_rows(4, 2048, 512)
+    h = x.T.astype(np.float64) @ x
+    got = gptq_quantize(weight, h, 32, "mse", scale_dtype="int8", act_order=False)
+    half = gptq_quantize(weight, h, 32, "mse", act_order=False)
+    assert np.all(got.super_scales[:, 1] > 0)
+    assert weighted_error(weight, got, h) < 1.15 * weighted_error(weight, half, h)
+
+
+def test_a_nonzero_scale_never_rounds_to_zero() -> None:
+    # 1e-4 is 1/10,000 of its run's largest scale: the nearest int8 multiple is 0, which would zero its group.
+    q, d = int8_scales(np.array([[1.0, 1e-4, -1e-4, 0.0]], np.float32))
+    np.testing.assert_array_equal(q, [[127, 1, -1, 0]])
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
 def test_calibrated_exports_write_int8_scales_and_match_their_dequantized_twin(method: str) -> None:
     model = mlp()

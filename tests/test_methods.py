@@ -79,15 +79,16 @@ def test_gptq_matches_the_textbook_sweep(rule: str, bits: int) -> None:
     assert weighted_error(w, got, h) == pytest.approx(ref_err, rel=0.02)
 
 
+@pytest.mark.parametrize("scale_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_keeps_float32_scales_when_float16_cannot_hold_one(act_order: bool) -> None:
+def test_gptq_keeps_float32_scales_when_float16_cannot_hold_one(act_order: bool, scale_dtype: str) -> None:
     rng = np.random.default_rng(4)
     w = rng.standard_normal((64, 24)).astype(np.float32)
-    w[:, 5] *= np.float32(1e6)  # one output channel's scales overflow float16
+    w[:, 5] *= np.float32(1e6)  # one output channel's (super-)scales overflow float16
     h = (lambda x: x.T.astype(np.float64) @ x)(outlier_rows(rng, 256, 64))
-    got = gptq_quantize(w, h, 32, "signed", act_order=act_order)
+    got = gptq_quantize(w, h, 32, "signed", act_order=act_order, scale_dtype=scale_dtype)
     want = gptq_quantize(w, h, 32, "signed", act_order=act_order, scale_dtype="float32")
-    assert got.scales.dtype == np.float32
+    assert got.scales.dtype == np.float32 and got.super_scales is None
     np.testing.assert_array_equal(got.packed, want.packed)
     np.testing.assert_array_equal(got.scales, want.scales)
 

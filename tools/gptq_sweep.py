@@ -10,7 +10,8 @@
 A variant is ``method:rule[:key=value...]``: method ``rtn`` or ``gptq``; keys ``group`` (32),
 ``damp`` (0.01), ``act`` (act order, 0/1), ``block`` (128), ``tie`` (``shared``: the token
 embedding reads the head's int4 codes, as MatMulNBits' tied export and ours do; ``rtn``: the
-embedding gets its own round-to-nearest codes; ``fp32``: the embedding stays FP32).
+embedding gets its own round-to-nearest codes; ``fp32``: the embedding stays FP32), ``scales``
+(``float32``, the dtype of docs/methods.md's sweep; ``float16``, ``int8``).
 
 Every MatMul weight of the FP32 decoder becomes an overridable graph input of one session;
 a variant is scored by feeding its dequantized weights there (the same product CimInt4MatMul
@@ -134,10 +135,10 @@ def _window(tokens: np.ndarray, i: int, bos: int | None, size: int = 512) -> np.
 def _variant(spec: str) -> dict:
     method, rule, *rest = spec.split(":")
     v = {"spec": spec, "method": method, "rule": rule, "group": 32, "damp": 0.01, "act": 0, "block": 128,
-         "tie": "shared"}  # fmt: skip
+         "tie": "shared", "scales": "float32"}  # fmt: skip
     for item in rest:
         key, value = item.split("=")
-        v[key] = value if key == "tie" else (float(value) if key == "damp" else int(value))
+        v[key] = value if key in ("tie", "scales") else (float(value) if key == "damp" else int(value))
     return v
 
 
@@ -155,15 +156,15 @@ def _quantize(v: dict, weights: dict, layers: dict, embed: str | None, stats: di
             if x not in factors:
                 factors.clear()
                 factors[x] = factor(stats[x], v["group"], v["damp"], bool(v["act"]))
-            out[name] = gptq_quantize(w, factors[x], v["group"], v["rule"], block=v["block"])
+            out[name] = gptq_quantize(w, factors[x], v["group"], v["rule"], block=v["block"], scale_dtype=v["scales"])
         else:
-            out[name] = quantize_weight(w, v["group"], v["rule"])
+            out[name] = quantize_weight(w, v["group"], v["rule"], scale_dtype=v["scales"])
     if embed is not None:
         head = next(n for n in layers if weights[n] is weights[embed] or np.shares_memory(weights[n], weights[embed]))
         if v["tie"] == "shared":
             out[embed] = out[head]
         elif v["tie"] == "rtn":
-            out[embed] = quantize_weight(weights[head], v["group"], v["rule"])
+            out[embed] = quantize_weight(weights[head], v["group"], v["rule"], scale_dtype=v["scales"])
     return out
 
 

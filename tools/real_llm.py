@@ -294,7 +294,7 @@ def decode(root: Path, name: str, out_root: Path, threads: list[int], rounds: in
     folders = {
         "FP32": root / name / "fp32",
         "MatMulNBits acc4": root / name / "int4",
-        "cim-int4 genai (default: int8, float16 scales)": base / "int8",
+        "cim-int4 genai (default: int8 compute, int8 scales)": base / "int8",
         "cim-int4 genai --scale-dtype float32": base / "int8-f32",
         "cim-int4 genai --compute fp32": base / "fp32",
     }

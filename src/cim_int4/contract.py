@@ -187,10 +187,16 @@ def int8_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     nonzero = top > 0
     if np.any(np.abs(d[nonzero].astype(np.float64) - top[nonzero]) > top[nonzero] * 2.0**-9):
         return None
-    step = _per_group(d, groups)
+    return int8_multiple(s, _per_group(d, groups)), d
+
+
+def int8_multiple(scales: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """int8 ``q`` nearest ``scales / step``, within +-127; a nonzero scale never gets 0 (that would zero its group,
+    while the smallest step rounds each weight to the nearest of 0 and +-step: never farther from it)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step > 0, np.rint(s / np.where(step > 0, step, 1)), 0)
-    return np.clip(q, -127, 127).astype(np.int8), d
+        q = np.where(step > 0, np.rint(scales / np.where(step > 0, step, 1)), 0)
+    q = np.where((q == 0) & (scales != 0) & (step > 0), np.sign(scales), q)
+    return np.clip(q, -127, 127).astype(np.int8)
 
 
 def row_bytes(codes: int, bits: int = DEFAULT_BITS) -> int:

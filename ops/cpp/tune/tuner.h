@@ -24,7 +24,9 @@ struct TuneOptions {
 // A stream larger than this is timed in equal windows (whole strips) of at most this many
 // bytes, one window per pass in rotation, so that a pass takes the same time whatever the
 // stream size while a window is read again only after the other windows (the rest of the
-// stream, at least the last-level cache) have been read since: still from DRAM.
+// stream: at least the last-level cache up to a 128 MiB LLC, where the 256 MiB cap sets in;
+// above it, 192 MiB, as cold as the whole-stream passes before, which also re-read within
+// 256 MiB) have been read since.
 constexpr int64_t kTuneWindowBytes = int64_t(64) << 20;
 
 struct TuneReport {
