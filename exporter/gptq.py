@@ -43,9 +43,9 @@ from ..contract import (
     check_bits,
     int8_multiple,
     int8_scales,
+    int8_steps,
     q_range,
     row_bytes,
-    scale_values,
     supers_of,
 )
 from .quantize import DEFAULT_SCALE_DTYPE, QuantizedWeight, pack, stored_dtype, stored_scales
@@ -159,7 +159,7 @@ def gptq_quantize(
             wt[:, :k] = w[:, r0 : r0 + step].T
             # int8: every run's super-scale from the weights before the sweep; without act order the
             # sweep sets each run's again when it gets there (_sweep).
-            rows_supers = _super_scales(wt, groups, group_size, scale_rule, bits) if int8 else None
+            rows_supers = _super_scales(wt.reshape(len(wt), groups, group_size), scale_rule, bits) if int8 else None
             chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers)
             s = chosen(wt.reshape(len(wt), groups, group_size), 0) if static else None
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
@@ -176,9 +176,9 @@ def gptq_quantize(
     )
 
 
-def _super_scales(wt: np.ndarray, groups: int, group_size: int, scale_rule: str, bits: int) -> np.ndarray:
-    """float16 super-scales [rows, supers] of the rule's scales of ``wt`` [rows, Kp] before the sweep."""
-    encoded = int8_scales(group_scales(wt.reshape(len(wt), groups, group_size), scale_rule, bits))
+def _super_scales(blocks: np.ndarray, scale_rule: str, bits: int) -> np.ndarray:
+    """float16 super-scales [rows, supers] of the rule's scales of ``blocks`` [rows, groups, group_size]."""
+    encoded = int8_scales(group_scales(blocks, scale_rule, bits))
     if encoded is None:
         raise _NotStorable
     return encoded[1]
@@ -204,7 +204,7 @@ class _Chooser:
         """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
         s = group_scales(blocks, self.scale_rule, self.bits)
         if self.supers is not None:
-            step = scale_values(np.ones((len(s), g0 + s.shape[1]), np.int8), self.supers)[:, g0:]
+            step = int8_steps(self.supers, g0 + s.shape[1])[:, g0:]
             return int8_multiple(s, step).astype(np.float32) * step
         if stored_dtype(s, self.scale_dtype) != self.scale_dtype:
             raise _NotStorable
@@ -213,10 +213,7 @@ class _Chooser:
     def start_run(self, blocks: np.ndarray, run: int) -> None:
         """int8 scales: run ``run``'s super-scales from its groups' weights ``blocks`` [rows, groups, group_size]."""
         if self.supers is not None:
-            encoded = int8_scales(group_scales(blocks, self.scale_rule, self.bits))
-            if encoded is None:
-                raise _NotStorable
-            self.supers[:, run] = encoded[1][:, 0]
+            self.supers[:, run] = _super_scales(blocks, self.scale_rule, self.bits)[:, 0]
 
 
 def _sweep(

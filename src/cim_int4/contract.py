@@ -141,8 +141,8 @@ def supers_of(groups: int) -> int:
 _FLOAT16_MAX = 65504.0
 
 
-def _per_group(super_scales: np.ndarray, groups: int) -> np.ndarray:
-    """float32 [N, groups]: each group's super-scale / INT8_SCALE_ONE (exact: a power of two)."""
+def int8_steps(super_scales: np.ndarray, groups: int) -> np.ndarray:
+    """float32 [N, groups]: each group's super-scale / INT8_SCALE_ONE (exact: a power of two), the value of q = 1."""
     d = np.asarray(super_scales, dtype=np.float16).astype(np.float32) / np.float32(INT8_SCALE_ONE)
     return np.repeat(d, SUPER_GROUPS, axis=1)[:, :groups]
 
@@ -152,13 +152,13 @@ def scale_values(scales: np.ndarray, super_scales: np.ndarray | None = None) -> 
     if super_scales is None:
         return np.asarray(scales).astype(np.float32)
     q = np.asarray(scales)
-    return q.astype(np.float32) * _per_group(super_scales, q.shape[1])
+    return q.astype(np.float32) * int8_steps(super_scales, q.shape[1])
 
 
 def encode_int8_scales(values: np.ndarray, super_scales: np.ndarray, what: str = "scales") -> np.ndarray:
     """The int8 scales whose ``scale_values`` with ``super_scales`` are ``values``; else ValueError naming ``what``."""
     values = np.asarray(values, dtype=np.float32)
-    step = _per_group(super_scales, values.shape[1])
+    step = int8_steps(super_scales, values.shape[1])
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step != 0, np.rint(values / np.where(step != 0, step, 1)), 0)
     if np.any(np.abs(q) > 127) or not np.array_equal(scale_values(q, super_scales), values):
@@ -187,7 +187,7 @@ def int8_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     nonzero = top > 0
     if np.any(np.abs(d[nonzero].astype(np.float64) - top[nonzero]) > top[nonzero] * 2.0**-9):
         return None
-    return int8_multiple(s, _per_group(d, groups)), d
+    return int8_multiple(s, int8_steps(d, groups)), d
 
 
 def int8_multiple(scales: np.ndarray, step: np.ndarray) -> np.ndarray:
