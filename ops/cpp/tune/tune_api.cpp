@@ -75,7 +75,8 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
       << ", \"window_bytes\": " << r.window_bytes << ", \"windows\": " << r.windows << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"budget_seconds\": " << budget_seconds
       << ", \"setup_seconds\": " << r.setup_seconds << ", \"elapsed_seconds\": " << r.elapsed_seconds
       << ", \"longest_round_seconds\": " << r.longest_round_seconds << ", \"read_seconds\": " << r.read_seconds
-      << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"drop_factor\": " << cim::kTuneDropFactor << ", \"variants\": [";
+      << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"drop_factor\": " << cim::kTuneDropFactor
+      << ", \"extend_factor\": " << cim::kTuneExtendFactor << ", \"variants\": [";
     for (size_t i = 0; i < r.rows.size(); ++i) {
       j << (i ? ", " : "") << "{\"name\": " << cim::json_quoted(r.rows[i].name) << ", \"fp32_seconds\": " << r.rows[i].seconds[cim::kFp32]
         << ", \"int8_seconds\": " << r.rows[i].seconds[cim::kInt8] << ", \"fp32_vs_default\": "

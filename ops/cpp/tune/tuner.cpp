@@ -232,7 +232,38 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   const auto t0 = Clock::now();
   double round_seconds = 0;
   std::mt19937 rng(12345);
-  while (r.rounds < kTuneMinRounds || seconds_since(t0) + round_seconds <= options.budget_seconds) {
+  // Per mode: the variant that wins (the default unless one beats it), and whether the rounds
+  // so far leave it open (`undecided`).
+  auto decide = [&](int mode, bool& undecided) {
+    int best = table.defaults[mode];
+    double best_ratio = 1.0 - kTuneMargin;  // to beat: the default by the margin
+    double best_unsteady = best_ratio;      // the lowest median not yet won steadily
+    for (int v = 0; v < n; ++v) {
+      const int j = alias[static_cast<size_t>(2 * v + mode)];
+      const std::vector<double> ratios = ratios_of(j);
+      if (static_cast<int>(ratios.size()) < r.rounds) continue;  // dropped on the way
+      int wins = 0;
+      for (double x : ratios) wins += x < 1.0 - kTuneMargin;
+      const double med = median(ratios);
+      if (4 * wins < 3 * r.rounds) {
+        best_unsteady = std::min(best_unsteady, med);
+      } else if (med < best_ratio) {
+        best_ratio = med;
+        best = v;
+      }
+    }
+    // Open while a candidate not yet steady leads the one that would be chosen.
+    undecided = best_unsteady < best_ratio;
+    return r.rounds >= kTuneMinRounds ? best : table.defaults[mode];
+  };
+  auto undecided = [&] {
+    bool open[2];
+    decide(kFp32, open[kFp32]);
+    decide(kInt8, open[kInt8]);
+    return open[kFp32] || open[kInt8];
+  };
+  while (r.rounds < kTuneMinRounds || seconds_since(t0) + round_seconds <= options.budget_seconds ||
+         (seconds_since(t0) + round_seconds <= kTuneExtendFactor * options.budget_seconds && undecided())) {
     const auto round0 = Clock::now();
     // Two statements: the reads take windows in turn, so their order must be fixed.
     const double prefetched = s.read(true, checksum);
@@ -285,25 +316,9 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
       r.rows[v].vs_default[mode] = median(ratios_of(j));
     }
   }
-  // Per mode: the candidate with the lowest median ratio among those timed in every round
-  // that beat the default by more than the margin in at least 3 of every 4 rounds.
-  for (int mode = 0; mode < 2; ++mode) {
-    int best = table.defaults[mode];
-    double best_ratio = 1.0;
-    for (int v = 0; v < n; ++v) {
-      const int j = alias[static_cast<size_t>(2 * v + mode)];
-      const std::vector<double> ratios = ratios_of(j);
-      if (static_cast<int>(ratios.size()) < r.rounds) continue;  // dropped on the way
-      int wins = 0;
-      for (double x : ratios) wins += x < 1.0 - kTuneMargin;
-      const bool steady = 4 * wins >= 3 * r.rounds;
-      if (steady && r.rows[v].vs_default[mode] < best_ratio) {
-        best_ratio = r.rows[v].vs_default[mode];
-        best = j / 2;
-      }
-    }
-    r.chosen[mode] = r.rounds >= kTuneMinRounds && best_ratio < 1.0 - kTuneMargin ? best : table.defaults[mode];
-  }
+  bool open = false;
+  r.chosen[kFp32] = decide(kFp32, open);
+  r.chosen[kInt8] = decide(kInt8, open);
   return r;
 }
 

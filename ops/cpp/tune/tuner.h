@@ -14,7 +14,8 @@ namespace cim {
 struct TuneOptions {
   // Wall-clock bound of the timing rounds (setup not included: see TuneReport::setup_seconds).
   // Rounds stop once the next would pass it, but never before kTuneMinRounds have run
-  // (candidates far behind drop out after two rounds, so later rounds are shorter).
+  // (candidates far behind drop out after two rounds, so later rounds are shorter), and
+  // while the choice is open up to kTuneExtendFactor times it (tune()).
   double budget_seconds = 0.4;
   // Bytes of the synthetic weight stream; 0: twice the last-level cache, within
   // [16 MiB, 256 MiB], so that every pass reads from DRAM as decode does.
@@ -61,10 +62,14 @@ struct TuneReport {
 // those timed in every round; the default is kept unless that variant beats it by more
 // than kTuneMargin in the median and in at least 3 of 4 rounds, over at least
 // kTuneMinRounds rounds (so a choice is never worse than the default beyond noise, and a
-// loaded machine keeps the default). A table with one variant returns at once.
+// loaded machine keeps the default). While a candidate is ahead of the default by the
+// margin in the median but not yet in 3 of 4 rounds, rounds go on up to kTuneExtendFactor
+// times the budget (a 5-round run kept a default 1.15x slower than a variant that won
+// every longer run). A table with one variant returns at once.
 constexpr double kTuneMargin = 0.03;
 constexpr int kTuneMinRounds = 3;
 constexpr double kTuneDropFactor = 1.2;
+constexpr double kTuneExtendFactor = 2.0;
 TuneReport tune(const KernelTable& table, const TuneOptions& options);
 
 }  // namespace cim
