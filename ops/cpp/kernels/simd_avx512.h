@@ -26,6 +26,8 @@ struct Avx512 {
   static constexpr int kPrefillTiles = 2;
   static constexpr int kPrefillRowsFp32 = 6;
   static constexpr int kPrefillRowsInt8 = 6;
+  static constexpr int kPrefillTilesPairs = 2;  // without VNNI (simd_avx2.h says what these are)
+  static constexpr int kPrefillRowsPairs = 6;
   // Products in int16 pair sums (pair_dot) where that saves work: without VNNI.
   static constexpr bool kPairDot = !kVnni;
   // fp32 mode's prefill from panels of unpacked floats (panel_kernels.h): vpermps unpacks
