@@ -5,7 +5,10 @@ Beside FP32 MatMul and MatMulNBits acc4, each library runs the layer in both com
 shared host whose speed swings between minutes, ratios within one run are what count
 (docs/benchmarks.md, "Evening, prefill on the same Zen 3").
 
-    .venv/bin/python tools/measure_libraries.py OLD.so NEW.so [--m 128] [--threads 1] [--rounds 25]
+    .venv/bin/python tools/measure_libraries.py OLD.so NEW.so [--m 128] [--threads 1] [--rounds 25] [--layers 16]
+
+`--layers 16 --m 1` times decode on the 16 x 4096^2 chain instead (its int4 weights, 36 MB,
+pass the last-level cache of the machines measured here, so each round reads them from DRAM).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ def main() -> None:
     p.add_argument("--m", type=int, default=128, help="rows of A (default 128)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=25)
+    p.add_argument("--layers", type=int, default=1, help="4096 x 4096 layers in the chain (default 1)")
     args = p.parse_args()
     for lib in args.libraries:
         if not os.path.isfile(lib):
             p.error(f"library not found: {lib}")
-    base = matmul_chain(1, 4096)
+    base = matmul_chain(args.layers, 4096)
     cim = quantize_cim_int4(base)
     sessions = {"fp32": make_session(base, args.threads), "acc4": make_session(quantize_nbits(base, 4), args.threads)}
     before = os.environ.get(LIBRARY_ENV)
@@ -55,7 +59,7 @@ def main() -> None:
             s.run(None, x)
             times[name].append(time.perf_counter() - t0)
     median = {k: statistics.median(v[1:]) for k, v in times.items()}  # the first round warms up
-    gmac = args.m * 4096 * 4096 / 1e9
+    gmac = args.layers * args.m * 4096 * 4096 / 1e9
     print(f"A = {args.libraries[0]}\nB = {args.libraries[1]}")
     for name, v in times.items():
         best = min(v[1:])

@@ -62,7 +62,7 @@ float half_to_float(uint16_t h) {
 }
 
 float scale_of(const PackedWeights& w, int64_t tile, int64_t group, int64_t c) {
-  const uint8_t* p = w.block(tile, group) + w.code_bytes();
+  const uint8_t* p = w.scales(tile, group);
   if (w.scale_type == kScaleI8) {
     uint16_t h;
     std::memcpy(&h, w.super_of(tile, group) + 2 * c, sizeof h);

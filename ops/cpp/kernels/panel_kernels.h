@@ -70,6 +70,7 @@ struct PanelKernels {
   static void make_panel(const PackedWeights& w, int64_t t0, int64_t g0, int64_t g1, float* panel, float* scales) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[1] = {w.block(t0, g)};
+      const uint8_t* scl[1] = {w.scales(t0, g)};
       float* p = panel + (g - g0) * w.group_size * kTileN;
       for (int64_t v = 0; v < w.group_size / 8; ++v) {
         for (int x = 0; x < kVecs; ++x) {
@@ -81,7 +82,7 @@ struct PanelKernels {
         }
       }
       for (int x = 0; x < kVecs; ++x) {
-        S::store(scales + (g - g0) * kTileN + x * S::kLanes, T::template scales_of<1, kSc>(w, blk, t0, g, x));
+        S::store(scales + (g - g0) * kTileN + x * S::kLanes, T::template scales_of<1, kSc>(w, scl, t0, g, x));
       }
     }
   }

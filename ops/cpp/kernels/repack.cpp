@@ -189,7 +189,7 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int b
       // Scales as given (float16 stays float16, int8 int8); padding channels get scale 0.
       for (int64_t c = 0; c < kTileN; ++c) {
         const int64_t n = t * kTileN + c;
-        uint8_t* dst = block + code_bytes + c * scale_size;
+        uint8_t* dst = const_cast<uint8_t*>(w_.scales(t, g)) + c * scale_size;
         if (n < N) {
           std::memcpy(dst, static_cast<const uint8_t*>(scales) + (n * groups + g) * scale_size, size_t(scale_size));
         } else {

@@ -43,8 +43,12 @@ struct TileKernels {
 
   // Pointers to the first code row of group g of tiles t0 .. t0 + NT - 1.
   template <int NT>
-  static CIM_INLINE void blocks_of(const PackedWeights& w, int64_t t0, int64_t g, const uint8_t* (&blk)[NT]) {
-    for (int i = 0; i < NT; ++i) blk[i] = w.block(t0 + i, g);
+  static CIM_INLINE void blocks_of(const PackedWeights& w, int64_t t0, int64_t g, const uint8_t* (&blk)[NT],
+                                   const uint8_t* (&scl)[NT]) {
+    for (int i = 0; i < NT; ++i) {
+      blk[i] = w.block(t0 + i, g);
+      scl[i] = w.scales(t0 + i, g);
+    }
   }
 
   // Software prefetch `ahead` bytes ahead in the stream (none for 0), the span of the NT
@@ -81,10 +85,11 @@ struct TileKernels {
   // The scales of group g of tiles t0 .. t0 + NT - 1, vector x of NT * kVecs (float16 and
   // int8 ones converted in registers; an int8 scale times its super-scale / 128 is exact).
   // `run` (int8 scales, optional): the super-scales / 128 of g's run, as super_steps wrote them.
+  // `scl`: the NT tiles' scales of group g (blocks_of).
   template <int NT, int kSc>
-  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g, int x,
+  static CIM_INLINE F scales_of(const PackedWeights& w, const uint8_t* const (&scl)[NT], int64_t t0, int64_t g, int x,
                                 const float* run = nullptr) {
-    const uint8_t* s = blk[x / kVecs] + w.code_bytes();
+    const uint8_t* s = scl[x / kVecs];
     if constexpr (kSc == kScaleI8) {
       const F d = run != nullptr ? S::load(run + x * S::kLanes) : super_step(w, t0, g, x);
       return S::mul(S::load_i8(s + (x % kVecs) * S::kLanes), d);
@@ -180,7 +185,8 @@ struct TileKernels {
     const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
-      blocks_of<NT>(w, t0, g, blk);
+      const uint8_t* scl[NT];
+      blocks_of<NT>(w, t0, g, blk, scl);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
       if constexpr (kSc == kScaleI8) {
         if (g != g0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
@@ -207,7 +213,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kSc>(w, blk, t0, g, x, run_or_null);
+        const F s = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
         for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
       }
     }
@@ -253,7 +259,8 @@ struct TileKernels {
     const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
-      blocks_of<NT>(w, t0, g, blk);
+      const uint8_t* scl[NT];
+      blocks_of<NT>(w, t0, g, blk, scl);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
       if constexpr (kSc == kScaleI8) {
         if (g != g0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
@@ -274,7 +281,7 @@ struct TileKernels {
         PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
       }
       for (int x = 0; x < NT * kVecs; ++x) {
-        const F s = scales_of<NT, kSc>(w, blk, t0, g, x, run_or_null);
+        const F s = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
         for (int r = 0; r < R; ++r) {
           const F scale = S::mul(S::set1(qa.scale[(m0 + r) * w.groups + g]), s);
           acc[r][x] = S::fma(S::cvt(d[r][x]), scale, acc[r][x]);
@@ -314,7 +321,8 @@ struct TileKernels {
     const int64_t chunks = w.group_size / 32;  // 0: group size 16, one chunk of two code rows
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* blk[NT];
-      blocks_of<NT>(w, t0, g, blk);
+      const uint8_t* scl[NT];
+      blocks_of<NT>(w, t0, g, blk, scl);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
       if constexpr (kSc == kScaleI8) {
         if (g != g0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
@@ -347,7 +355,7 @@ struct TileKernels {
         });
         F s[X];
         if constexpr (decltype(last_c)::value) {
-          for (int x = 0; x < X; ++x) s[x] = scales_of<NT, kSc>(w, blk, t0, g, x, run_or_null);
+          for (int x = 0; x < X; ++x) s[x] = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
         }
         for (int r = 0; r < R; ++r) {
           const I z = S::set1_i32(-8 * qa.qsum[(m0 + r) * w.groups + g]);
@@ -402,7 +410,8 @@ struct TileKernels {
     const int64_t chunks = w.group_size / 32;
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* blk[NT];
-      blocks_of<NT>(w, t0, g, blk);
+      const uint8_t* scl[NT];
+      blocks_of<NT>(w, t0, g, blk, scl);
       prefetch_ahead<NT, kAhead, kHint>(w, blk);
       if constexpr (kSc == kScaleI8) {
         if (g != 0 && g % kSuperGroups == 0) super_steps<NT>(w, t0, g, run);
@@ -412,10 +421,10 @@ struct TileKernels {
       const F a_scale = S::set1(qa.scale[g]);
       if constexpr (kBits == 4) {
         if (chunks == 0) {  // group size 16: two code rows
-          narrow_chunk<kSc, NT, 2>(w, blk, t0, g, run_or_null, q, 0, z, a_scale, true, true, partial, sums);
+          narrow_chunk<kSc, NT, 2>(w, blk, scl, t0, g, run_or_null, q, 0, z, a_scale, true, true, partial, sums);
         } else {
           for (int64_t c = 0; c < chunks; ++c) {
-            narrow_chunk<kSc, NT, 4>(w, blk, t0, g, run_or_null, q + 32 * c, 4 * c, z, a_scale, c == 0,
+            narrow_chunk<kSc, NT, 4>(w, blk, scl, t0, g, run_or_null, q + 32 * c, 4 * c, z, a_scale, c == 0,
                                      c == chunks - 1, partial, sums);
           }
         }
@@ -423,7 +432,7 @@ struct TileKernels {
         static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
           constexpr int x = decltype(xc)::value;
           const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
-          narrow_store<kSc, NT>(w, blk, t0, g, run_or_null, x, d, a_scale, sums);
+          narrow_store<kSc, NT>(w, scl, t0, g, run_or_null, x, d, a_scale, sums);
         });
       }
     }
@@ -434,9 +443,9 @@ struct TileKernels {
 
   // A group's integer sums d of vector x through the scales into `sums`.
   template <int kSc, int NT>
-  static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
+  static CIM_INLINE void narrow_store(const PackedWeights& w, const uint8_t* const (&scl)[NT], int64_t t0, int64_t g,
                                       const float* run, int x, I d, F a_scale, float* sums) {
-    const F scale = S::mul(a_scale, scales_of<NT, kSc>(w, blk, t0, g, x, run));
+    const F scale = S::mul(a_scale, scales_of<NT, kSc>(w, scl, t0, g, x, run));
     S::store(sums + x * S::kLanes, S::fma(S::cvt(d), scale, S::load(sums + x * S::kLanes)));
   }
 
@@ -444,7 +453,8 @@ struct TileKernels {
   // of the NT blocks, activations q; the first chunk of a group starts from z, the last
   // one's sums go through the scales into `sums`.
   template <int kSc, int NT, int kRows>
-  static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t t0, int64_t g,
+  static CIM_INLINE void narrow_chunk(const PackedWeights& w, const uint8_t* const (&blk)[NT],
+                                      const uint8_t* const (&scl)[NT], int64_t t0, int64_t g,
                                       const float* run, const int8_t* q, int64_t v0, I z, F a_scale, bool first,
                                       bool last, int32_t* partial, float* sums) {
     static_assert(2 * kRows <= pair_steps(4), "int16 pair sums could saturate");
@@ -461,7 +471,7 @@ struct TileKernels {
       int32_t* p = partial + x * S::kLanes;
       const I d = S::pair_flush(first ? z : S::loadi(reinterpret_cast<const uint8_t*>(p)), s);
       if (last) {
-        narrow_store<kSc, NT>(w, blk, t0, g, run, x, d, a_scale, sums);
+        narrow_store<kSc, NT>(w, scl, t0, g, run, x, d, a_scale, sums);
       } else {
         S::storei(reinterpret_cast<uint8_t*>(p), d);
       }

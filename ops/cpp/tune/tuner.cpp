@@ -112,8 +112,8 @@ struct Synthetic {
     w.N = w.tiles * kTileN;
     const int64_t total = w.tiles * tile_bytes;
     stream.reset(static_cast<uint8_t*>(allocate_stream(total)));
-    fill(total);
     w.stream = stream.get();
+    fill(total);
     a.resize(static_cast<size_t>(w.K));
     for (int64_t k = 0; k < w.K; ++k) a[k] = static_cast<float>((k * 7919) % 2001 - 1000) / 1000.0f;
     y.resize(static_cast<size_t>(w.N));
@@ -124,25 +124,24 @@ struct Synthetic {
     qa = QuantizedA{q.data(), qscale.data(), qsum.data()};
   }
 
-  // Random codes and scales of 0.01. Four independent xorshift64 generators side by side:
-  // one alone is a chain of six dependent operations per 8 bytes, and filling the largest
-  // stream (256 MiB) with it took 70 ms on a Zen 4, longer than its page faults.
+  // Random codes, then scales of 0.01 over them (w.scales). Four independent xorshift64
+  // generators side by side: one alone is a chain of six dependent operations per 8 bytes,
+  // and filling the largest stream (256 MiB) with it took 70 ms on a Zen 4, longer than its
+  // page faults.
   void fill(int64_t total) {
     uint64_t x[4] = {0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull, 0x2545F4914F6CDD1Dull};
-    const int64_t code_bytes = w.group_size / 8 * kCodeRowBytes;  // a multiple of 32
+    for (int64_t i = 0; i + 32 <= total; i += 32) {  // total: whole 64-byte code rows and scales
+      for (int lane = 0; lane < 4; ++lane) {
+        x[lane] ^= x[lane] << 13;
+        x[lane] ^= x[lane] >> 7;
+        x[lane] ^= x[lane] << 17;
+        std::memcpy(stream.get() + i + 8 * lane, &x[lane], 8);
+      }
+    }
     float scales[kTileN];
     std::fill(scales, scales + kTileN, 0.01f);
-    for (int64_t off = 0; off < total; off += w.block_bytes) {
-      uint8_t* block = stream.get() + off;
-      for (int64_t i = 0; i < code_bytes; i += 32) {
-        for (int lane = 0; lane < 4; ++lane) {
-          x[lane] ^= x[lane] << 13;
-          x[lane] ^= x[lane] >> 7;
-          x[lane] ^= x[lane] << 17;
-          std::memcpy(block + i + 8 * lane, &x[lane], 8);
-        }
-      }
-      std::memcpy(block + code_bytes, scales, sizeof scales);
+    for (int64_t t = 0; t < w.tiles; ++t) {
+      for (int64_t g = 0; g < w.groups; ++g) std::memcpy(const_cast<uint8_t*>(w.scales(t, g)), scales, sizeof scales);
     }
   }
 
