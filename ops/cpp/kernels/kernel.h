@@ -23,15 +23,18 @@ constexpr int64_t kStripTiles = 4;
 // Output channels come in tiles of kTileN = 16 (the last tile padded with channels of
 // scale 0 and the code of q = 0), tiles in strips of kStripTiles = 4 (64 channels; the
 // last strip may hold fewer). The whole matrix is one sequential stream, strip after
-// strip; within a strip group after group, and within a group the strip's tiles' codes
-// in order, then their scales, so decode, which runs a strip's tiles side by side, reads
-// one stream front to back. A (tile, group) block is `block_bytes`: the group's codes
-// (`block`, code_bytes of them) and the tile's 16 scales (`scales`) as given: float32 (64
-// bytes), float16 (32 bytes) or int8 (16 bytes), converted in registers, so the bytes
-// saved are bytes not read. The codes come first so that they keep the stream's 64-byte
-// alignment whatever the scales' size (4-bit codes: 256 bytes a group of 32; with the
-// scales inside each block, int8 ones put 3 of 4 blocks' code rows off a 64-byte line and
-// split many vector loads in two: 5-6% of AVX2 prefill on a Zen 4). An int8 scale q stands for
+// strip; within a strip group after group, and within a group the strip's tiles' scales
+// in order, then their codes, so decode, which runs a strip's tiles side by side, reads
+// one stream front to back. A (tile, group) block is `block_bytes`: the tile's 16 scales
+// (`scales`) as given, float32 (64 bytes), float16 (32 bytes) or int8 (16 bytes), converted
+// in registers, so the bytes saved are bytes not read, and the group's codes (`block`,
+// code_bytes of them). A strip's scales of a group are 64, 128 or 256 bytes, so the codes
+// keep the stream's 64-byte alignment whatever the scales' size (with the scales inside
+// each block after its codes, int8 ones put 3 of 4 blocks' code rows off a 64-byte line and
+// split vector loads in two: 5% of AVX2 int8 prefill on a Zen 4). Scales before codes, not
+// after: decode reads a group's scales after its codes, from a line just behind it in the
+// stream (on a Zen 4, scales after the codes cost the avx512_vnni n4 int8 decode 2.5%,
+// scales before are level with the old layout; docs/benchmarks.md). An int8 scale q stands for
 // float32(q) * (d / 128), d the channel's float16 super-scale of its kSuperGroups groups:
 // d / 128 and its product with an int8 are exact in float32, so every path computes the
 // same scale bit for bit. The super-scales stay in the one stream: within a strip, each

@@ -23,7 +23,8 @@ namespace {
 // profiles re-tune. g3: the tuner always runs 3 rounds (g2's 0.4 s could run 2 and keep
 // a default twice as slow as the best). g4: the 2 KiB prefetch rows (t4-pf2k, n4-pf2k),
 // and NTA variants timed last in a round. g5: rounds go on (up to twice the budget) while a
-// candidate leads the default in the median but not yet steadily.
+// candidate leads the default in the median but not yet steadily; and the stream's scales
+// before its codes in each group (kernel.h), which moved the variants' speeds.
 constexpr const char* kGridVersion = "g5";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
