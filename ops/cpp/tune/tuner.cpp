@@ -103,8 +103,13 @@ struct Synthetic {
     w.K = 4096;
     w.group_size = 32;
     w.groups = w.K / w.group_size;
-    w.block_bytes = block_bytes_of(4, w.group_size, kScaleF32);
-    const int64_t tile_bytes = w.groups * w.block_bytes;
+    // The exporter's default scales: int8, with a float16 super-scale record per run of
+    // kSuperGroups groups (float32 scales, timed before, move 1.2x the scale bytes and
+    // ranked the fp32 variants unlike the chain of default exports on a Zen 4).
+    w.scale_type = kScaleI8;
+    w.super_bytes = kTileN * 2;
+    w.block_bytes = block_bytes_of(4, w.group_size, kScaleI8);
+    const int64_t tile_bytes = w.strip_bytes_per_tile();
     w.tiles = std::max<int64_t>(kStripTiles, bytes / tile_bytes / kStripTiles * kStripTiles);
     windows = (w.tiles * tile_bytes + kTuneWindowBytes - 1) / kTuneWindowBytes;
     w.tiles = std::max<int64_t>(1, w.tiles / (windows * kStripTiles)) * windows * kStripTiles;
@@ -124,13 +129,14 @@ struct Synthetic {
     qa = QuantizedA{q.data(), qscale.data(), qsum.data()};
   }
 
-  // Random codes, then scales of 0.01 over them (w.scales). Four independent xorshift64
+  // Random codes, then int8 scales of 80 and super-scales of 2^-7 over them (a scale of
+  // 0.005; w.scales, w.super_of). Four independent xorshift64
   // generators side by side: one alone is a chain of six dependent operations per 8 bytes,
   // and filling the largest stream (256 MiB) with it took 70 ms on a Zen 4, longer than its
   // page faults.
   void fill(int64_t total) {
     uint64_t x[4] = {0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull, 0x2545F4914F6CDD1Dull};
-    for (int64_t i = 0; i + 32 <= total; i += 32) {  // total: whole 64-byte code rows and scales
+    for (int64_t i = 0; i + 32 <= total; i += 32) {  // total: a multiple of 32 (code rows, scales, records)
       for (int lane = 0; lane < 4; ++lane) {
         x[lane] ^= x[lane] << 13;
         x[lane] ^= x[lane] >> 7;
@@ -138,10 +144,13 @@ struct Synthetic {
         std::memcpy(stream.get() + i + 8 * lane, &x[lane], 8);
       }
     }
-    float scales[kTileN];
-    std::fill(scales, scales + kTileN, 0.01f);
+    uint16_t supers[kTileN];
+    std::fill(supers, supers + kTileN, uint16_t(0x2000));  // float16 2^-7
     for (int64_t t = 0; t < w.tiles; ++t) {
-      for (int64_t g = 0; g < w.groups; ++g) std::memcpy(const_cast<uint8_t*>(w.scales(t, g)), scales, sizeof scales);
+      for (int64_t g = 0; g < w.groups; ++g) {
+        std::memset(const_cast<uint8_t*>(w.scales(t, g)), 80, kTileN);
+        if (g % kSuperGroups == 0) std::memcpy(const_cast<uint8_t*>(w.super_of(t, g)), supers, sizeof supers);
+      }
     }
   }
 
