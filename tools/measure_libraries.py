@@ -7,7 +7,7 @@ shared host whose speed swings between minutes, ratios within one run are what c
 
     .venv/bin/python tools/measure_libraries.py OLD.so NEW.so [--m 128] [--threads 1] [--rounds 25] [--layers 16]
 
-`--layers 16 --m 1` times decode on the 16 x 4096^2 chain instead (its int4 weights, 36 MB,
+`--layers 16 --m 1` times decode on the 16 x 4096^2 chain instead (its int4 weights, ~145 MB,
 pass the last-level cache of the machines measured here, so each round reads them from DRAM).
 """
 

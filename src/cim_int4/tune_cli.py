@@ -14,7 +14,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernel", default="auto", help="ISA path to tune (default: auto, the one sessions use; see CIM_INT4_KERNEL)"
     )
-    p.add_argument("--seconds", type=float, default=0.8, help="time budget of the timing rounds (default 0.8)")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0.8,
+        help="time budget of the timing rounds (default 0.8; up to twice it while a choice is open)",
+    )
     p.add_argument("--no-save", action="store_true", help="print the table only; leave the profile as it is")
     p.add_argument("--json", metavar="FILE", help="also write the full report as JSON to FILE")
 

@@ -28,8 +28,9 @@ constexpr int64_t kStripTiles = 4;
 // one stream front to back. A (tile, group) block is `block_bytes`: the tile's 16 scales
 // (`scales`) as given, float32 (64 bytes), float16 (32 bytes) or int8 (16 bytes), converted
 // in registers, so the bytes saved are bytes not read, and the group's codes (`block`,
-// code_bytes of them). A strip's scales of a group are 64, 128 or 256 bytes, so the codes
-// keep the stream's 64-byte alignment whatever the scales' size (with the scales inside
+// code_bytes of them). A full strip's scales of a group are 64, 128 or 256 bytes, so its
+// codes keep the stream's 64-byte alignment whatever the scales' size (a last strip of 1-3
+// tiles may not: loads are unaligned ones everywhere) (with the scales inside
 // each block after its codes, int8 ones put 3 of 4 blocks' code rows off a 64-byte line and
 // split vector loads in two: 5% of AVX2 int8 prefill on a Zen 4). Scales before codes, not
 // after: decode reads a group's scales after its codes, from a line just behind it in the

@@ -22,7 +22,7 @@ template <class S>
 struct PrefillKernels {
   using T = TileKernels<S>;
 
-  // int8 mode's 4-bit codes through int16 pair sums (TileKernels::int8_pairs_block): its
+  // int8 mode's 4-bit codes through int16 pair sums (pair_kernels.h): its
   // own block shape, and no software prefetch (the weights are in L2 here; 2-4% faster
   // without on a Zen 4).
   template <class Fm>
@@ -40,7 +40,7 @@ struct PrefillKernels {
     if constexpr (R >= 1) {
       if (rows == R) {
         if constexpr (kPairs<Fm>) {
-          T::template int8_pairs_block<Fm::kSc, NT, R, 0, _MM_HINT_T0>(args, t0, m0, g0, g1);
+          T::template block<Fm, NT, R, 0>(args, t0, m0, g0, g1);
         } else {
           T::template block<Fm, NT, R>(args, t0, m0, g0, g1);
         }

@@ -29,7 +29,7 @@ struct Avx2 {
   static constexpr int kPrefillTiles = 1;
   static constexpr int kPrefillRowsFp32 = 6;
   static constexpr int kPrefillRowsInt8 = 4;
-  // int8 mode with int16 pair sums (kPairDot, 4-bit codes: int8_pairs_block), where only
+  // int8 mode with int16 pair sums (kPairDot, 4-bit codes: pair_kernels.h), where only
   // the pair sums take registers: 2 tiles x 3 rows = 12 of 16 (Zen 4, avx2 table, M = 128,
   // 4096^2, 1 thread, GMAC/s: 1 x 3 93.5, 1 x 4 93.3, 1 x 5 88-92, 1 x 6 75, 2 x 2 97,
   // 2 x 3 99-100; the form before, 1 x 4 with every sum in registers: 78-80).

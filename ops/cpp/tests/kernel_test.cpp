@@ -439,7 +439,8 @@ std::vector<Shape> shapes() {
                         384, 385, 511, 512, 513, 640, 777, 1000, 1024, 1031, 2048, 4096, 4099};
   // (M, N) pairs covering every remainder of the register blocks: N around tiles of 16
   // and the 4-tile decode block (64) and the 2-tile prefill chunk (32); M around the
-  // prefill row blocks (6 for AVX-512; 6 in fp32 mode and 4 in int8 mode for AVX2) and the
+  // prefill row blocks (6 for AVX-512; 6 in fp32 mode and, in int8 mode, 4 with AVX-VNNI or
+  // 3 of 2 tiles without it for AVX2) and the
   // benchmark's M = 1, 16 and 128.
   const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {2, 3},  {2, 33},
                            {5, 9},  {7, 48}, {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};

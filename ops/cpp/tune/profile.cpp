@@ -24,7 +24,8 @@ namespace {
 // a default twice as slow as the best). g4: the 2 KiB prefetch rows (t4-pf2k, n4-pf2k),
 // and NTA variants timed last in a round. g5: rounds go on (up to twice the budget) while a
 // candidate leads the default in the median but not yet steadily; and the stream's scales
-// before its codes in each group (kernel.h), which moved the variants' speeds.
+// before its codes in each group (kernel.h), which moved the variants' speeds, and int8
+// scales (the exporter's default) on the tuner's stream instead of float32 ones.
 constexpr const char* kGridVersion = "g5";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 

@@ -72,7 +72,7 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
     j.precision(9);
     j << "{\"cpu\": " << cim::json_quoted(cim::this_cpu().name) << ", \"key\": " << cim::json_quoted(cim::this_cpu().key)
       << ", \"kernel\": " << cim::json_quoted(r.table) << ", \"stream_bytes\": " << r.stream_bytes
-      << ", \"window_bytes\": " << r.window_bytes << ", \"windows\": " << r.windows << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"budget_seconds\": " << budget_seconds
+      << ", \"window_bytes\": " << r.window_bytes << ", \"windows\": " << r.windows << ", \"llc_bytes\": " << r.llc_bytes << ", \"rounds\": " << r.rounds << ", \"extended\": " << (r.extended ? "true" : "false") << ", \"budget_seconds\": " << budget_seconds
       << ", \"setup_seconds\": " << r.setup_seconds << ", \"elapsed_seconds\": " << r.elapsed_seconds
       << ", \"longest_round_seconds\": " << r.longest_round_seconds << ", \"read_seconds\": " << r.read_seconds
       << ", \"margin\": " << cim::kTuneMargin << ", \"min_rounds\": " << cim::kTuneMinRounds << ", \"drop_factor\": " << cim::kTuneDropFactor

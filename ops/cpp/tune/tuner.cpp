@@ -245,7 +245,7 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   auto decide = [&](int mode, bool& undecided) {
     int best = table.defaults[mode];
     double best_ratio = 1.0 - kTuneMargin;  // to beat: the default by the margin
-    double best_unsteady = best_ratio;      // the lowest median not yet won steadily
+    double best_unsteady = 1.0;             // the lowest median not yet won steadily
     for (int v = 0; v < n; ++v) {
       const int j = alias[static_cast<size_t>(2 * v + mode)];
       const std::vector<double> ratios = ratios_of(j);
@@ -260,8 +260,10 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
         best = v;
       }
     }
-    // Open while a candidate not yet steady leads the one that would be chosen.
-    undecided = best_unsteady < best_ratio;
+    // Open while a candidate not yet steady leads the one that would be chosen (the
+    // default, at 1, or the steady winner) by more than the margin.
+    const double chosen_ratio = best == table.defaults[mode] ? 1.0 : best_ratio;
+    undecided = best_unsteady < chosen_ratio * (1.0 - kTuneMargin);
     return r.rounds >= kTuneMinRounds ? best : table.defaults[mode];
   };
   auto undecided = [&] {
@@ -270,8 +272,12 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
     decide(kInt8, open[kInt8]);
     return open[kFp32] || open[kInt8];
   };
-  while (r.rounds < kTuneMinRounds || seconds_since(t0) + round_seconds <= options.budget_seconds ||
-         (seconds_since(t0) + round_seconds <= kTuneExtendFactor * options.budget_seconds && undecided())) {
+  while (true) {
+    const double next_end = seconds_since(t0) + round_seconds;  // if the next round is like the last
+    if (r.rounds >= kTuneMinRounds && next_end > options.budget_seconds) {
+      if (next_end > kTuneExtendFactor * options.budget_seconds || !undecided()) break;
+      r.extended = true;
+    }
     const auto round0 = Clock::now();
     // Two statements: the reads take windows in turn, so their order must be fixed.
     const double prefetched = s.read(true, checksum);

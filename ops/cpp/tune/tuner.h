@@ -37,6 +37,7 @@ struct TuneReport {
   int windows = 0;                // equal windows of the stream, read in rotation (1: the whole stream per pass)
   int64_t llc_bytes = 0;          // last-level cache as the OS reports it (0: unknown)
   int rounds = 0;
+  bool extended = false;          // rounds ran past the budget while the choice was open
   double setup_seconds = 0;       // allocating and filling the stream
   double elapsed_seconds = 0;     // the timing rounds
   double longest_round_seconds = 0;
@@ -62,10 +63,11 @@ struct TuneReport {
 // those timed in every round; the default is kept unless that variant beats it by more
 // than kTuneMargin in the median and in at least 3 of 4 rounds, over at least
 // kTuneMinRounds rounds (so a choice is never worse than the default beyond noise, and a
-// loaded machine keeps the default). While a candidate is ahead of the default by the
-// margin in the median but not yet in 3 of 4 rounds, rounds go on up to kTuneExtendFactor
-// times the budget (a 5-round run kept a default 1.15x slower than a variant that won
-// every longer run). A table with one variant returns at once.
+// loaded machine keeps the default). While a candidate not yet steady (3 of 4 rounds) leads
+// the would-be choice (the default, or the steady winner) in the median by more than the
+// margin, rounds go on up to kTuneExtendFactor times the budget (a 5-round run kept a
+// default 1.15x slower than a variant that won every longer run). A table with one
+// variant returns at once.
 constexpr double kTuneMargin = 0.03;
 constexpr int kTuneMinRounds = 3;
 constexpr double kTuneDropFactor = 1.2;
