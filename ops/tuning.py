@@ -60,7 +60,8 @@ def tune(kernel: str = "auto", seconds: float = 0.8, save: bool = True) -> dict[
     Returns the report: cpu, key, kernel, stream_bytes, windows, window_bytes (each pass reads
     the next of ``windows`` equal windows), rounds, read_seconds, variants (name, fp32_seconds,
     int8_seconds: medians of one M = 1 decode of the stream, 1 thread, a window's time x windows),
-    default, chosen, profile, saved, save_error, budget_seconds, setup_seconds,
+    default, chosen, profile, saved, save_error, budget_seconds, extended (rounds ran past the
+    budget, up to extend_factor times it, while the choice was open), setup_seconds,
     elapsed_seconds, longest_round_seconds.
     """
     if not seconds > 0:

@@ -3,6 +3,7 @@ round-trips, a bad profile or variant name gets one clear line, and the tuner ke
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -231,3 +232,11 @@ def test_tune_command_prints_table(tmp_path: Path) -> None:
         {PROFILE_ENV: str(tmp_path / "p.json")},
     )
     assert again.returncode == 1 and "not overwriting" in again.stderr, "the report file must never be overwritten"
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, 0.0])
+def test_tuner_library_refuses_a_budget_that_is_not_positive_and_finite(seconds: float) -> None:
+    # The library's own entry point (the Python wrapper refuses these before it): one line, no
+    # endless rounds (a NaN budget once compared false both ways).
+    with pytest.raises(tuning.TuneError, match="budget_seconds must be a positive finite number"):
+        tuning._call("cim_int4_tune", b"auto", ctypes.c_double(seconds), ctypes.c_int(0))

@@ -22,8 +22,9 @@ struct PairKernels {
   using I = typename S::I;
   static constexpr int kVecs = T::kVecs;
 
-  // int8 mode without VNNI, 4-bit codes (TileKernels::int8_block's form there): a chunk's products (up
-  // to 32 codes, 8 dot4 steps: pair_steps) in int16 pair sums, one vpmaddwd flush per chunk.
+  // int8 mode without VNNI, 4-bit codes (TileKernels::block sends them here; int8_block
+  // runs the other tables and widths): a chunk's products (up to 32 codes, 8 dot4 steps:
+  // pair_steps) in int16 pair sums, one vpmaddwd flush per chunk.
   // Only the pair sums live in registers through a chunk (R x NT * kVecs of them); the
   // group's int32 sums and the float sums wait in L1 (`partial`, `sums`) and are touched
   // once per chunk and group. Keeping all three in registers, as int8_block does with VNNI,

@@ -42,7 +42,8 @@ struct VariantChoice {
 // entry or a tuning (decided once per table and profile path, then remembered). Returns false with `error` set (one line) when CIM_INT4_VARIANT names no variant of the table.
 // Implicit tuning runs only when the profile has no entry for this CPU and table, the
 // table has more than one variant and CIM_INT4_TUNE is not "off"; it takes
-// TuneOptions{}.budget_seconds plus the set-up of a stream twice the last-level cache.
+// TuneOptions{}.budget_seconds (up to kTuneExtendFactor times it while the choice is open)
+// plus the set-up of a stream twice the last-level cache.
 bool choose_variants(const KernelTable& table, VariantChoice& choice, std::string& error);
 
 // Saves a tuning's choice for this CPU into the profile at `path` (other entries kept;

@@ -1,5 +1,6 @@
 // libcim_int4_tune.so: the `cim-int4 tune` command's entry points (Python loads them with
 // ctypes, cim_int4.ops.tuning). Replies are JSON written into the caller's buffer.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -62,6 +63,11 @@ extern "C" __attribute__((visibility("default"))) int cim_int4_tune(const char* 
     std::string error;
     const cim::KernelTable* table = table_named(kernel, error);
     if (table == nullptr) return error_reply(error, out, cap);
+    if (!(std::isfinite(budget_seconds) && budget_seconds > 0)) {
+      return error_reply("tune: budget_seconds must be a positive finite number of seconds, got " +
+                             std::to_string(budget_seconds),
+                         out, cap);
+    }
     cim::TuneOptions options;
     options.budget_seconds = budget_seconds;
     if (!forced_stream_bytes(options.stream_bytes, error)) return error_reply(error, out, cap);

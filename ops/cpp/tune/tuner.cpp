@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -237,6 +238,10 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
     return out;
   };
   uint64_t checksum = 0;
+  // A budget that is not a positive finite number runs the minimum rounds (the comparisons
+  // below are written so that a NaN stops too).
+  const double budget =
+      std::isfinite(options.budget_seconds) && options.budget_seconds > 0 ? options.budget_seconds : 0.0;
   const auto t0 = Clock::now();
   double round_seconds = 0;
   std::mt19937 rng(12345);
@@ -274,8 +279,8 @@ TuneReport tune(const KernelTable& table, const TuneOptions& options) {
   };
   while (true) {
     const double next_end = seconds_since(t0) + round_seconds;  // if the next round is like the last
-    if (r.rounds >= kTuneMinRounds && next_end > options.budget_seconds) {
-      if (next_end > kTuneExtendFactor * options.budget_seconds || !undecided()) break;
+    if (r.rounds >= kTuneMinRounds && !(next_end <= budget)) {
+      if (!(next_end <= kTuneExtendFactor * budget) || !undecided()) break;
       r.extended = true;
     }
     const auto round0 = Clock::now();
