@@ -35,6 +35,9 @@ METHODS = ("rtn", "gptq", "awq", "awq+gptq", "auto")
 DEFAULT_METHOD = "rtn"
 CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that need calibration inputs
 ANY_WIDTH_METHODS = ("rtn", "gptq")  # the methods that quantize at any ``bits`` (the others at 4 only)
+# The methods a rotation (``rotate``) is used with: those that round against the activations' statistics.
+# Round-to-nearest on a rotated SmolLM2-135M at 3 bits: 7x the unrotated gap (docs/widths.md, 'Rotation').
+ROTATED_METHODS = ("gptq", "awq+gptq", "auto")
 # How bits="auto" measures each layer's sensitivity per width (exporter.allocate).
 BITS_SENSITIVITIES = ("auto", "exact", "proxy")
 
@@ -98,6 +101,7 @@ class ExportOptions:
     bits_budget: float | None = None
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     bits_sensitivity: str = "auto"  # bits="auto": one of BITS_SENSITIVITIES (exporter.allocate)
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -118,6 +122,12 @@ class ExportOptions:
             raise ValueError(
                 f"method {self.method!r} quantizes at {DEFAULT_BITS} bits only; "
                 f"use method 'rtn' or 'gptq' with bits={self.bits!r}"
+            )
+        if self.rotate and (self.method not in ROTATED_METHODS or self.feeds is None):
+            raise ValueError(
+                f"rotate=True needs method {' or '.join(map(repr, ROTATED_METHODS))} and feeds (got method "
+                f"{self.method!r}{'' if self.feeds is not None else ', no feeds'}): rounded to nearest, rotated "
+                "weights lose far more (docs/widths.md, 'Rotation')"
             )
         if self.bits_budget is not None:
             if self.bits != AUTO:

@@ -162,6 +162,8 @@ class ExportSummary:
     allocation: Any = None
     # Gated MLPs fused into one node each (exporter.gated): "gate label + up label (activation)".
     gated: list[str] = field(default_factory=list)
+    # Set by ``rotate=True`` (exporter.rotate.RotationSummary): what the rotation changed.
+    rotation: Any = None
 
     @property
     def bytes_before(self) -> int:
@@ -199,6 +201,8 @@ class ExportSummary:
                 f"  gated MLPs: {len(self.gated)} fused, each gate and up projection with its activation and "
                 "product in one node (fuse_gated=False keeps them apart)"
             )
+        if self.rotation is not None:
+            lines.append(f"  {self.rotation.format()}")
         if self.mixed_precision is not None:
             lines.append(self.mixed_precision.format())
         if self.allocation is not None:

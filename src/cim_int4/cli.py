@@ -204,6 +204,13 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"stored type of the group scales (default {DEFAULT_SCALE_DTYPE})",
     )
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        default=None,
+        help="first turn the residual stream of an RMS-norm decoder by a random orthogonal matrix folded into "
+        "the weights: the same model, easier to quantize at 3 bits (docs/widths.md 'Rotation')",
+    )
 
 
 class _Parser(argparse.ArgumentParser):

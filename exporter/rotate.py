@@ -1,0 +1,291 @@
+"""rotate_residual: fold each RMS norm's weight into its readers and turn the residual stream by an orthogonal Q.
+
+A decoder whose residual stream only meets RMS norms (Llama, Qwen, SmolLM: the norm
+before each attention and MLP, the final one) computes the same function after
+
+* every RMS norm's weight ``g`` set to ones, ``diag(g)`` folded into the MatMuls reading
+  the normalized output: ``W <- Q^T diag(g) W``;
+* every MatMul writing into the stream (attention out, MLP down) ``W <- W Q``;
+* the token embedding ``T <- T Q``;
+
+because an RMS norm commutes with an orthogonal map (``rms(x Q) = rms(x)``) and the epsilon
+sees the same sum of squares. Nothing is added at run time, except for an LM head tied to the
+embedding: the one table holds ``Q^T W``, so the final norm's weight goes into one FP32 MatMul
+by ``Q^T diag(g) Q`` (hidden x hidden) in front of the head (``ROTATION_FOLD``), which the
+exporter leaves FP32.
+
+Why: a random rotation spreads each weight row's few large entries over all of it, so a
+group's scale is no longer set by one outlier; with GPTQ at 3 bits on SmolLM2-135M it took
+the perplexity gap from 5.3x to 2.4-2.7x uniform 4-bit RTN's (docs/widths.md, "Rotation").
+Q is a random orthogonal matrix (QR of a Gaussian, float64, a fixed seed), so an export is
+reproducible. A graph this pass does not recognise is refused in one line naming the node
+(a post-norm, as Gemma's, puts a norm's weight on a branch, where it does not fold).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+# (domain, op type) of an RMS norm: the input index of its weight, its stream inputs, and the
+# output that carries the stream on (Skip*: input + skip), if any. ORT registers
+# SimplifiedLayerNormalization in the ONNX domain.
+RMS_NORMS = {
+    ("", "SimplifiedLayerNormalization"): (1, (0,), None),
+    ("com.microsoft", "SimplifiedLayerNormalization"): (1, (0,), None),
+    ("", "RMSNormalization"): (1, (0,), None),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): (2, (0, 1), 3),
+}
+ROTATION_FOLD = "rotation/final_norm_fold"  # the MatMul in front of a tied LM head
+DEFAULT_SEED = 0
+
+
+class NotRotatable(ValueError):
+    """The graph's residual stream is not one this pass can turn (the message names the node)."""
+
+
+def orthogonal(n: int, seed: int = DEFAULT_SEED) -> np.ndarray:
+    """A random n x n orthogonal matrix (float64): Q of a Gaussian's QR, columns signed by R's diagonal."""
+    q, r = np.linalg.qr(np.random.default_rng(seed).standard_normal((n, n)))
+    return q * np.sign(np.diag(r))[None, :]
+
+
+@dataclass
+class RotationSummary:
+    """What rotate_residual changed: counts for the export summary."""
+
+    hidden: int
+    norms: int
+    readers: int  # MatMuls reading a normalized stream (Q^T diag(g) W)
+    writers: int  # MatMuls writing into the stream (W Q)
+    tables: int  # embedding tables (T Q)
+    fold_node: str  # ROTATION_FOLD's node name, or "" (no tied head)
+
+    def format(self) -> str:
+        fold = f"; tied head behind {self.fold_node!r} (FP32)" if self.fold_node else ""
+        return (
+            f"rotation: hidden {self.hidden}, {self.norms} RMS norms folded, {self.readers} reading and "
+            f"{self.writers} writing MatMuls, {self.tables} embedding table(s){fold}"
+        )
+
+
+def rotate_residual(model: onnx.ModelProto, seed: int = DEFAULT_SEED) -> RotationSummary:
+    """Turn ``model``'s residual stream (weights in memory, main graph) in place; NotRotatable if it cannot."""
+    return _Rotation(model.graph).apply(seed)
+
+
+class _Rotation:
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.inits = {t.name: t for t in graph.initializer}
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        for n in graph.node:
+            for i, name in enumerate(n.input):
+                if name:
+                    self.consumers[name].append((n, i))
+        self.outputs = {o.name for o in graph.output}
+
+    def fail(self, node: onnx.NodeProto | None, what: str) -> NotRotatable:
+        where = f"node {node.name or node.output[0]!r} ({node.op_type}): " if node is not None else ""
+        return NotRotatable(f"rotate: {where}{what}")
+
+    def weight(self, node: onnx.NodeProto, index: int) -> str:
+        """The initializer name of ``node``'s input ``index`` (a float 2-D constant), else NotRotatable."""
+        name = node.input[index] if index < len(node.input) else ""
+        init = self.inits.get(name)
+        if init is None or len(init.dims) != 2 or init.data_type != onnx.TensorProto.FLOAT:
+            raise self.fail(node, f"input {index} {name!r} is not a 2-D float32 initializer")
+        return name
+
+    def apply(self, seed: int) -> RotationSummary:
+        norms, tables, writers = self.trace()
+        readers: list[tuple[onnx.NodeProto, str]] = []  # (MatMul reading a normalized stream, its norm's weight)
+        for norm in norms:
+            gamma_at, _, carry = RMS_NORMS[(norm.domain, norm.op_type)]
+            axis = next((a.i for a in norm.attribute if a.name == "axis"), -1)
+            if axis != -1:
+                raise self.fail(norm, f"normalizes axis {axis}; rotation needs the last axis")
+            if len(norm.input) > gamma_at + 1 and any(norm.input[gamma_at + 1 :]):
+                raise self.fail(norm, "has a bias input; an RMS norm with a bias does not commute with a rotation")
+            gamma = self.weight_1d(norm, gamma_at)
+            for i, out in enumerate(norm.output):
+                if not out or i == carry:
+                    continue
+                if i == 0:
+                    for reader, slot in self.consumers[out]:
+                        if reader.op_type != "MatMul" or reader.domain != "" or slot != 0:
+                            raise self.fail(reader, "reads a normalized stream but is not a MatMul by a weight")
+                        readers.append((reader, gamma))
+                    if out in self.outputs:
+                        raise self.fail(norm, "its normalized output is a graph output")
+                elif self.consumers[out] or out in self.outputs:
+                    raise self.fail(norm, f"output {i} (the mean or the inverse deviation) is used")
+        readers_by_weight: dict[str, list[tuple[onnx.NodeProto, str]]] = defaultdict(list)
+        for reader, gamma in readers:
+            readers_by_weight[self.weight(reader, 1)].append((reader, gamma))
+        writers_by_weight: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for writer in writers:
+            writers_by_weight[self.weight(writer, 1)].append(writer)
+        for name in set(writers_by_weight) | set(readers_by_weight) | set(tables):
+            written = writers_by_weight.get(name, [])
+            mine = [r for r, _ in readers_by_weight.get(name, [])] + written
+            if name in tables:  # its Gather, and the Transpose in front of it if any
+                gather = tables[name]
+                mine += [gather, self.producer[gather.input[0]]] if self.through_transpose(gather) else [gather]
+            users = [n for n, _ in self.consumers[name]]
+            if [n for n in users if n not in mine] or len(written) > 1 or (name in tables and written):
+                raise self.fail(users[0], f"weight {name!r} is shared with other nodes; rotation needs it on its own")
+        hidden = self.hidden(readers, writers, tables)
+        q = orthogonal(hidden, seed)
+        fold = ""
+        for name, gather in tables.items():
+            tied = name in readers_by_weight
+            value = self.array(name)
+            if self.through_transpose(gather):  # the table is value.T: rows (value.T) Q = (Q^T value).T
+                self.store(name, q.T @ value)
+            else:
+                if tied:
+                    raise self.fail(gather, f"table {name!r} is also a MatMul weight without a Transpose")
+                self.store(name, value @ q)
+            if tied:
+                fold = self.fold_tied_head(name, readers_by_weight.pop(name), q)
+        # A MatMul may read a normalized stream and write into the stream: both sides turn.
+        for name in set(readers_by_weight) | set(writers_by_weight):
+            value = self.array(name)
+            group = readers_by_weight.get(name, [])
+            if group:
+                gammas = {g for _, g in group}
+                if len(gammas) > 1:
+                    raise self.fail(group[0][0], f"weight {name!r} is read after norms with different weights")
+                value = q.T @ (self.array(gammas.pop())[:, None] * value)
+            if name in writers_by_weight:
+                value = value @ q
+            self.store(name, value)
+        for norm in norms:
+            name = norm.input[RMS_NORMS[(norm.domain, norm.op_type)][0]]
+            self.store(name, np.ones_like(self.array(name)))
+        return RotationSummary(hidden, len(norms), len(readers), len(writers), len(tables), fold)
+
+    def trace(self) -> tuple[list[onnx.NodeProto], dict[str, onnx.NodeProto], list[onnx.NodeProto]]:
+        """The residual stream from the embedding: its RMS norms, its tables (initializer -> Gather), its writers.
+
+        It starts at each Gather on a float table (the token embedding) and follows the norms' carried
+        sums (Skip*: input + skip); every other tensor a norm adds in must be a MatMul's output.
+        Norms off the stream (a per-head q/k norm) are left as they are.
+        """
+        starts = [n for n in self.graph.node if n.op_type == "Gather" and n.domain == "" and self.is_table(n)]
+        if not starts:
+            raise self.fail(None, "no Gather on a 2-D float32 table (the token embedding) starts a residual stream")
+        norms: list[onnx.NodeProto] = []
+        tables: dict[str, onnx.NodeProto] = {}
+        writers: list[onnx.NodeProto] = []
+        stream: set[str] = set()
+        frontier = [g.output[0] for g in starts]
+        while frontier:
+            name = frontier.pop()
+            if name in stream:
+                continue
+            stream.add(name)
+            node = self.producer.get(name)
+            if node is None:
+                raise self.fail(None, f"the residual stream tensor {name!r} is a graph input")
+            kind = (node.domain, node.op_type)
+            if kind in RMS_NORMS and name != node.output[0]:
+                pass  # a carried sum: its norm is reached through its inputs
+            elif kind in RMS_NORMS:
+                raise self.fail(
+                    node, "its normalized output joins the residual stream (a post-norm: its weight cannot fold)"
+                )
+            elif kind == ("", "Gather"):
+                tables[self.table_source(node)] = node
+            elif kind == ("", "MatMul"):
+                writers.append(node)
+            else:
+                raise self.fail(node, "writes into the residual stream but is neither a Gather on a table nor a MatMul")
+            if name in self.outputs:
+                raise self.fail(node, f"the residual stream {name!r} is a graph output")
+            for reader, slot in self.consumers[name]:
+                kind = (reader.domain, reader.op_type)
+                if kind not in RMS_NORMS or slot not in RMS_NORMS[kind][1]:
+                    raise self.fail(reader, f"reads the residual stream {name!r} but is not an RMS norm")
+                if reader not in norms:
+                    norms.append(reader)
+                    carry = RMS_NORMS[kind][2]
+                    frontier += [reader.input[i] for i in RMS_NORMS[kind][1]]
+                    if carry is not None and len(reader.output) > carry and reader.output[carry]:
+                        frontier.append(reader.output[carry])
+        return norms, tables, writers
+
+    def weight_1d(self, norm: onnx.NodeProto, index: int) -> str:
+        name = norm.input[index] if index < len(norm.input) else ""
+        init = self.inits.get(name)
+        if init is None or len(init.dims) != 1 or init.data_type != onnx.TensorProto.FLOAT:
+            raise self.fail(norm, f"its weight {name!r} is not a 1-D float32 initializer")
+        if len([1 for n, _ in self.consumers[name]]) != 1:
+            raise self.fail(norm, f"its weight {name!r} is shared with other nodes")
+        return name
+
+    def through_transpose(self, gather: onnx.NodeProto) -> bool:
+        return gather.input[0] not in self.inits
+
+    def is_table(self, gather: onnx.NodeProto) -> bool:
+        try:
+            self.table_source(gather)
+        except NotRotatable:
+            return False
+        return True
+
+    def table_source(self, gather: onnx.NodeProto) -> str:
+        """The initializer a Gather's table is (directly, or behind one 2-D Transpose), else NotRotatable."""
+        axis = next((a.i for a in gather.attribute if a.name == "axis"), 0)
+        data = gather.input[0]
+        if axis != 0:
+            raise self.fail(gather, f"gathers along axis {axis}; an embedding gathers rows (axis 0)")
+        if data in self.inits:
+            return self.weight(gather, 0)
+        node = self.producer.get(data)
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0]) if node is not None else None
+        if node is None or node.op_type != "Transpose" or perm != [1, 0] or len(self.consumers[data]) != 1:
+            raise self.fail(gather, f"its table {data!r} is neither an initializer nor one behind a Transpose")
+        return self.weight(node, 0)
+
+    def hidden(self, readers, writers, tables) -> int:
+        sizes = {self.dims(self.weight(r, 1))[0] for r, _ in readers}
+        sizes |= {self.dims(self.weight(w, 1))[1] for w in writers}
+        for name, gather in tables.items():
+            rows, cols = self.dims(name)
+            sizes.add(rows if self.through_transpose(gather) else cols)
+        if len(sizes) != 1:
+            raise self.fail(None, f"the residual stream has more than one width ({sorted(sizes)})")
+        return sizes.pop()
+
+    def fold_tied_head(self, name: str, heads: list[tuple[onnx.NodeProto, str]], q: np.ndarray) -> str:
+        """Put Q^T diag(g) Q in front of the head(s) reading the tied table ``name`` (already Q^T W)."""
+        if len(heads) != 1:
+            raise self.fail(heads[0][0], f"the tied table {name!r} is read by {len(heads)} MatMuls; rotation takes one")
+        head, gamma = heads[0]
+        g = self.array(gamma)
+        fold = (q.T * g[None, :]) @ q
+        weight, out = f"{ROTATION_FOLD}.weight", f"{ROTATION_FOLD}/output_0"
+        self.graph.initializer.append(numpy_helper.from_array(fold.astype(np.float32), weight))
+        node = helper.make_node("MatMul", [head.input[0], weight], [out], name=ROTATION_FOLD)
+        head.input[0] = out
+        nodes = list(self.graph.node)
+        nodes.insert(nodes.index(head), node)
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+        return ROTATION_FOLD
+
+    def dims(self, name: str) -> tuple[int, ...]:
+        return tuple(self.inits[name].dims)
+
+    def array(self, name: str) -> np.ndarray:
+        return numpy_helper.to_array(self.inits[name]).astype(np.float64)
+
+    def store(self, name: str, value: np.ndarray) -> None:
+        self.inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
