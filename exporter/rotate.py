@@ -141,6 +141,10 @@ class _Rotation:
             if [n for n in users if n not in mine] or len(written) > 1 or (name in tables and written):
                 raise self.fail(users[0], f"weight {name!r} is shared with other nodes; rotation needs it on its own")
         hidden = self.hidden(readers, writers, tables)
+        for norm in norms:
+            gamma = norm.input[RMS_NORMS[(norm.domain, norm.op_type)][0]]
+            if self.dims(gamma) != (hidden,):
+                raise self.fail(norm, f"its weight {gamma!r} has shape {list(self.dims(gamma))}, not [{hidden}]")
         q = orthogonal(hidden, seed)
         fold = ""
         for name, gather in tables.items():
@@ -178,6 +182,9 @@ class _Rotation:
         sums (Skip*: input + skip); every other tensor a norm adds in must be a MatMul's output.
         Norms off the stream (a per-head q/k norm) are left as they are.
         """
+        for node in self.graph.node:  # a subgraph's reads of the stream would go unseen
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                raise self.fail(node, "holds a subgraph; rotation takes graphs without If/Loop/Scan")
         starts = [n for n in self.graph.node if n.op_type == "Gather" and n.domain == "" and self.is_table(n)]
         if not starts:
             raise self.fail(None, "no Gather on a 2-D float32 table (the token embedding) starts a residual stream")

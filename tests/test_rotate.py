@@ -95,7 +95,9 @@ def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_fp32(tmp_path: 
 H, V = 16, 40
 
 
-def block(post_norm: bool = False, shared: bool = False, add_reader: bool = False) -> onnx.ModelProto:
+def block(
+    post_norm: bool = False, shared: bool = False, add_reader: bool = False, bad_gamma: bool = False
+) -> onnx.ModelProto:
     """ids -> table -> norm -> MatMul -> (post norm) -> Skip norm -> MatMul: a stream that is or is not rotatable."""
     ms = "com.microsoft"
     nodes = [
@@ -122,7 +124,7 @@ def block(post_norm: bool = False, shared: bool = False, add_reader: bool = Fals
         outputs.append(helper.make_tensor_value_info("w1", onnx.TensorProto.FLOAT, [H, H]))
     inits = [
         init("table", w(0, V, H)),
-        init("g0", w(1, H) + 2),
+        init("g0", w(1, H + 2 * bad_gamma) + 2),
         init("g1", w(2, H) + 2),
         init("gp", w(3, H) + 2),
         init("W0", w(4, H, H)),
@@ -152,6 +154,7 @@ def test_a_plain_rotatable_block_keeps_its_function() -> None:
         ("post_norm", r"node 'post' \(SimplifiedLayerNormalization\): its normalized output joins the residual stream"),
         ("add_reader", r"node 'tap' \(Add\): reads the residual stream 's1' but is not an RMS norm"),
         ("shared", r"weight 'W1' is shared with other nodes"),
+        ("bad_gamma", r"node 'norm0' \(SimplifiedLayerNormalization\): its weight 'g0' has shape \[18\], not \[16\]"),
     ],
 )
 def test_a_stream_it_cannot_turn_is_refused_in_one_line(kind: str, message: str) -> None:
