@@ -209,7 +209,8 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="first turn the residual stream of an RMS-norm decoder by a random orthogonal matrix folded into "
-        "the weights: the same model, easier to quantize at 3 bits (docs/widths.md 'Rotation')",
+        "the weights: the same model, which GPTQ quantizes better (needs --method gptq|awq+gptq|auto and --feeds; "
+        "docs/widths.md 'Rotation')",
     )
 
 
