@@ -15,8 +15,9 @@ by ``Q^T diag(g) Q`` (hidden x hidden) in front of the head (``ROTATION_FOLD``),
 exporter leaves FP32.
 
 Why: a random rotation spreads each weight row's few large entries over all of it, so a
-group's scale is no longer set by one outlier; with GPTQ at 3 bits on SmolLM2-135M it took
-the perplexity gap from 5.3x to 2.4-2.7x uniform 4-bit RTN's (docs/widths.md, "Rotation").
+group's scale is no longer set by one outlier; with GPTQ on SmolLM2-135M it took the perplexity
+gap at 3 bits from 6.55x to 2.10x uniform 4-bit RTN's, at 4 bits from 0.54x to 0.31x
+(docs/widths.md, "Rotation"). Round to nearest ignores the activations and lost far more.
 Q is a random orthogonal matrix (QR of a Gaussian, float64, a fixed seed), so an export is
 reproducible. A graph this pass does not recognise is refused in one line naming the node
 (a post-norm, as Gemma's, puts a norm's weight on a branch, where it does not fold).
@@ -26,19 +27,27 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-# (domain, op type) of an RMS norm: the input index of its weight, its stream inputs, and the
-# output that carries the stream on (Skip*: input + skip), if any. ORT registers
-# SimplifiedLayerNormalization in the ONNX domain.
+
+class NormSlots(NamedTuple):
+    """Where an RMS norm op keeps its weight input, its stream inputs and the output carrying the stream on."""
+
+    weight: int
+    stream_inputs: tuple[int, ...]
+    carry: int | None  # Skip*: output 3 = input + skip; None: the op has no such output
+
+
+# (domain, op type) of each RMS norm op. ORT registers SimplifiedLayerNormalization in the ONNX domain.
 RMS_NORMS = {
-    ("", "SimplifiedLayerNormalization"): (1, (0,), None),
-    ("com.microsoft", "SimplifiedLayerNormalization"): (1, (0,), None),
-    ("", "RMSNormalization"): (1, (0,), None),
-    ("com.microsoft", "SkipSimplifiedLayerNormalization"): (2, (0, 1), 3),
+    ("", "SimplifiedLayerNormalization"): NormSlots(1, (0,), None),
+    ("com.microsoft", "SimplifiedLayerNormalization"): NormSlots(1, (0,), None),
+    ("", "RMSNormalization"): NormSlots(1, (0,), None),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): NormSlots(2, (0, 1), 3),
 }
 ROTATION_FOLD = "rotation/final_norm_fold"  # the MatMul in front of a tied LM head
 DEFAULT_SEED = 0
@@ -91,7 +100,7 @@ class _Rotation:
         self.outputs = {o.name for o in graph.output}
 
     def fail(self, node: onnx.NodeProto | None, what: str) -> NotRotatable:
-        where = f"node {node.name or node.output[0]!r} ({node.op_type}): " if node is not None else ""
+        where = f"{self.label(node)}: " if node is not None else ""
         return NotRotatable(f"rotate: {where}{what}")
 
     def weight(self, node: onnx.NodeProto, index: int) -> str:
@@ -104,15 +113,10 @@ class _Rotation:
 
     def apply(self, seed: int) -> RotationSummary:
         norms, tables, writers = self.trace()
+        gammas = {id(norm): self.norm_weight(norm) for norm in norms}
         readers: list[tuple[onnx.NodeProto, str]] = []  # (MatMul reading a normalized stream, its norm's weight)
         for norm in norms:
-            gamma_at, _, carry = RMS_NORMS[(norm.domain, norm.op_type)]
-            axis = next((a.i for a in norm.attribute if a.name == "axis"), -1)
-            if axis != -1:
-                raise self.fail(norm, f"normalizes axis {axis}; rotation needs the last axis")
-            if len(norm.input) > gamma_at + 1 and any(norm.input[gamma_at + 1 :]):
-                raise self.fail(norm, "has a bias input; an RMS norm with a bias does not commute with a rotation")
-            gamma = self.weight_1d(norm, gamma_at)
+            carry = RMS_NORMS[(norm.domain, norm.op_type)].carry
             for i, out in enumerate(norm.output):
                 if not out or i == carry:
                     continue
@@ -120,60 +124,87 @@ class _Rotation:
                     for reader, slot in self.consumers[out]:
                         if reader.op_type != "MatMul" or reader.domain != "" or slot != 0:
                             raise self.fail(reader, "reads a normalized stream but is not a MatMul by a weight")
-                        readers.append((reader, gamma))
+                        readers.append((reader, gammas[id(norm)]))
                     if out in self.outputs:
                         raise self.fail(norm, "its normalized output is a graph output")
                 elif self.consumers[out] or out in self.outputs:
                     raise self.fail(norm, f"output {i} (the mean or the inverse deviation) is used")
-        readers_by_weight: dict[str, list[tuple[onnx.NodeProto, str]]] = defaultdict(list)
+        read: dict[str, list[tuple[onnx.NodeProto, str]]] = defaultdict(list)
         for reader, gamma in readers:
-            readers_by_weight[self.weight(reader, 1)].append((reader, gamma))
-        writers_by_weight: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+            read[self.weight(reader, 1)].append((reader, gamma))
+        written: dict[str, onnx.NodeProto] = {}
         for writer in writers:
-            writers_by_weight[self.weight(writer, 1)].append(writer)
-        for name in set(writers_by_weight) | set(readers_by_weight) | set(tables):
-            written = writers_by_weight.get(name, [])
-            mine = [r for r, _ in readers_by_weight.get(name, [])] + written
+            name = self.weight(writer, 1)
+            if name in written:
+                raise self.fail(writer, f"weight {name!r} is shared with {self.label(written[name])}")
+            written[name] = writer
+        # Every check before the first weight changes: a refusal leaves the model as it was.
+        for name in set(written) | set(read) | set(tables):
+            mine = [r for r, _ in read.get(name, [])]
+            if name in written:  # a writer's weight turns on its output side: no other node may share it
+                mine = [n for n in mine if n is not written[name]]
+                if mine:
+                    raise self.fail(mine[0], f"weight {name!r} is shared with the writer {self.label(written[name])}")
+                mine = [written[name]]
             if name in tables:  # its Gather, and the Transpose in front of it if any
                 gather = tables[name]
+                if name in written:
+                    raise self.fail(gather, f"table {name!r} is also a weight writing into the stream")
+                if name in read and not self.through_transpose(gather):
+                    raise self.fail(gather, f"table {name!r} is also a MatMul weight without a Transpose")
+                if len(read.get(name, [])) > 1:
+                    heads = len(read[name])
+                    raise self.fail(gather, f"the tied table {name!r} is read by {heads} MatMuls; rotation takes one")
                 mine += [gather, self.producer[gather.input[0]]] if self.through_transpose(gather) else [gather]
-            users = [n for n, _ in self.consumers[name]]
-            if [n for n in users if n not in mine] or len(written) > 1 or (name in tables and written):
-                raise self.fail(users[0], f"weight {name!r} is shared with other nodes; rotation needs it on its own")
+            others = [n for n, _ in self.consumers[name] if all(n is not m for m in mine)]
+            if others:
+                raise self.fail(others[0], f"shares weight {name!r} with the MatMuls rotation turns")
+            if name not in tables and len({g for _, g in read.get(name, [])}) > 1:
+                raise self.fail(read[name][0][0], f"weight {name!r} is read after norms with different weights")
         hidden = self.hidden(readers, writers, tables)
         for norm in norms:
-            gamma = norm.input[RMS_NORMS[(norm.domain, norm.op_type)][0]]
-            if self.dims(gamma) != (hidden,):
+            if self.dims(gammas[id(norm)]) != (hidden,):
+                gamma = gammas[id(norm)]
                 raise self.fail(norm, f"its weight {gamma!r} has shape {list(self.dims(gamma))}, not [{hidden}]")
         q = orthogonal(hidden, seed)
         fold = ""
         for name, gather in tables.items():
-            tied = name in readers_by_weight
-            value = self.array(name)
             if self.through_transpose(gather):  # the table is value.T: rows (value.T) Q = (Q^T value).T
-                self.store(name, q.T @ value)
+                self.store(name, q.T @ self.array(name))
             else:
-                if tied:
-                    raise self.fail(gather, f"table {name!r} is also a MatMul weight without a Transpose")
-                self.store(name, value @ q)
-            if tied:
-                fold = self.fold_tied_head(name, readers_by_weight.pop(name), q)
+                self.store(name, self.array(name) @ q)
+            if name in read:
+                fold = self.fold_tied_head(read.pop(name)[0], q)
         # A MatMul may read a normalized stream and write into the stream: both sides turn.
-        for name in set(readers_by_weight) | set(writers_by_weight):
+        for name in set(read) | set(written):
             value = self.array(name)
-            group = readers_by_weight.get(name, [])
-            if group:
-                gammas = {g for _, g in group}
-                if len(gammas) > 1:
-                    raise self.fail(group[0][0], f"weight {name!r} is read after norms with different weights")
-                value = q.T @ (self.array(gammas.pop())[:, None] * value)
-            if name in writers_by_weight:
+            if name in read:
+                value = q.T @ (self.array(read[name][0][1])[:, None] * value)
+            if name in written:
                 value = value @ q
             self.store(name, value)
-        for norm in norms:
-            name = norm.input[RMS_NORMS[(norm.domain, norm.op_type)][0]]
-            self.store(name, np.ones_like(self.array(name)))
+        for gamma in gammas.values():
+            self.store(gamma, np.ones(self.dims(gamma)))
         return RotationSummary(hidden, len(norms), len(readers), len(writers), len(tables), fold)
+
+    def label(self, node: onnx.NodeProto) -> str:
+        return f"node {node.name or node.output[0]!r} ({node.op_type})"
+
+    def norm_weight(self, norm: onnx.NodeProto) -> str:
+        """The norm's weight initializer, after checking the norm commutes with a rotation."""
+        slots = RMS_NORMS[(norm.domain, norm.op_type)]
+        axis = next((a.i for a in norm.attribute if a.name == "axis"), -1)
+        if axis != -1:
+            raise self.fail(norm, f"normalizes axis {axis}; rotation needs the last axis")
+        if any(norm.input[slots.weight + 1 :]):
+            raise self.fail(norm, "has a bias input; an RMS norm with a bias does not commute with a rotation")
+        name = norm.input[slots.weight] if slots.weight < len(norm.input) else ""
+        init = self.inits.get(name)
+        if init is None or len(init.dims) != 1 or init.data_type != onnx.TensorProto.FLOAT:
+            raise self.fail(norm, f"its weight {name!r} is not a 1-D float32 initializer")
+        if len(self.consumers[name]) != 1:
+            raise self.fail(norm, f"its weight {name!r} is shared with other nodes")
+        return name
 
     def trace(self) -> tuple[list[onnx.NodeProto], dict[str, onnx.NodeProto], list[onnx.NodeProto]]:
         """The residual stream from the embedding: its RMS norms, its tables (initializer -> Gather), its writers.
@@ -200,7 +231,8 @@ class _Rotation:
             stream.add(name)
             node = self.producer.get(name)
             if node is None:
-                raise self.fail(None, f"the residual stream tensor {name!r} is a graph input")
+                what = "an initializer" if name in self.inits else "a graph input"
+                raise self.fail(None, f"the residual stream tensor {name!r} is {what}")
             kind = (node.domain, node.op_type)
             if kind in RMS_NORMS and name != node.output[0]:
                 pass  # a carried sum: its norm is reached through its inputs
@@ -218,24 +250,15 @@ class _Rotation:
                 raise self.fail(node, f"the residual stream {name!r} is a graph output")
             for reader, slot in self.consumers[name]:
                 kind = (reader.domain, reader.op_type)
-                if kind not in RMS_NORMS or slot not in RMS_NORMS[kind][1]:
+                if kind not in RMS_NORMS or slot not in RMS_NORMS[kind].stream_inputs:
                     raise self.fail(reader, f"reads the residual stream {name!r} but is not an RMS norm")
                 if reader not in norms:
                     norms.append(reader)
-                    carry = RMS_NORMS[kind][2]
-                    frontier += [reader.input[i] for i in RMS_NORMS[kind][1]]
+                    carry = RMS_NORMS[kind].carry
+                    frontier += [reader.input[i] for i in RMS_NORMS[kind].stream_inputs]
                     if carry is not None and len(reader.output) > carry and reader.output[carry]:
                         frontier.append(reader.output[carry])
         return norms, tables, writers
-
-    def weight_1d(self, norm: onnx.NodeProto, index: int) -> str:
-        name = norm.input[index] if index < len(norm.input) else ""
-        init = self.inits.get(name)
-        if init is None or len(init.dims) != 1 or init.data_type != onnx.TensorProto.FLOAT:
-            raise self.fail(norm, f"its weight {name!r} is not a 1-D float32 initializer")
-        if len([1 for n, _ in self.consumers[name]]) != 1:
-            raise self.fail(norm, f"its weight {name!r} is shared with other nodes")
-        return name
 
     def through_transpose(self, gather: onnx.NodeProto) -> bool:
         return gather.input[0] not in self.inits
@@ -268,14 +291,12 @@ class _Rotation:
             rows, cols = self.dims(name)
             sizes.add(rows if self.through_transpose(gather) else cols)
         if len(sizes) != 1:
-            raise self.fail(None, f"the residual stream has more than one width ({sorted(sizes)})")
+            raise self.fail(None, f"the MatMuls on the residual stream disagree on its width ({sorted(sizes)})")
         return sizes.pop()
 
-    def fold_tied_head(self, name: str, heads: list[tuple[onnx.NodeProto, str]], q: np.ndarray) -> str:
-        """Put Q^T diag(g) Q in front of the head(s) reading the tied table ``name`` (already Q^T W)."""
-        if len(heads) != 1:
-            raise self.fail(heads[0][0], f"the tied table {name!r} is read by {len(heads)} MatMuls; rotation takes one")
-        head, gamma = heads[0]
+    def fold_tied_head(self, head_and_gamma: tuple[onnx.NodeProto, str], q: np.ndarray) -> str:
+        """Put Q^T diag(g) Q in front of the head reading the tied table (which now holds Q^T W)."""
+        head, gamma = head_and_gamma
         g = self.array(gamma)
         fold = (q.T * g[None, :]) @ q
         weight, out = f"{ROTATION_FOLD}.weight", f"{ROTATION_FOLD}/output_0"

@@ -136,11 +136,11 @@ def test_export_flags_build_the_options_the_api_takes() -> None:
 
     argv = ["export", "m.onnx", "-o", "o.onnx", "--group-size", "64", "--compute", "int8", "--exclude", "a", "b"]
     argv += ["--min-size", "7", "--scale-rule", "signed", "--external-data", "--no-fold-input-initializers"]
-    argv += ["--rotate", "--method", "auto", "--feeds", "d.npz"]
+    argv += ["--rotate", "--method", "gptq", "--feeds", "d.npz"]
     got = export_options(build_parser().parse_args(argv))
     assert got == ExportOptions(
         group_size=64, compute="int8", exclude=("a", "b"), min_size=7, scale_rule="signed",
-        external_data=True, fold_input_initializers=False, rotate=True, method="auto", feeds="d.npz",
+        external_data=True, fold_input_initializers=False, rotate=True, method="gptq", feeds="d.npz",
     )
     assert export_options(build_parser().parse_args(["export", "m.onnx", "-o", "o.onnx"])) == ExportOptions()
 

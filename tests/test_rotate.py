@@ -96,7 +96,12 @@ H, V = 16, 40
 
 
 def block(
-    post_norm: bool = False, shared: bool = False, add_reader: bool = False, bad_gamma: bool = False
+    post_norm: bool = False,
+    shared: bool = False,
+    add_reader: bool = False,
+    bad_gamma: bool = False,
+    shared_writer: bool = False,
+    subgraph: bool = False,
 ) -> onnx.ModelProto:
     """ids -> table -> norm -> MatMul -> (post norm) -> Skip norm -> MatMul: a stream that is or is not rotatable."""
     ms = "com.microsoft"
@@ -122,6 +127,17 @@ def block(
     if shared:
         nodes.append(helper.make_node("Identity", ["W1"], ["w1"], name="copy"))
         outputs.append(helper.make_tensor_value_info("w1", onnx.TensorProto.FLOAT, [H, H]))
+    if shared_writer:  # W0 turns on both sides for proj0 (reads n0, writes b0): proj2 reads n1 through it
+        nodes.append(helper.make_node("MatMul", ["n1", "W0"], ["y2"], name="proj2"))
+        outputs.append(helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [1, 3, H]))
+    if subgraph:
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["y"], ["yy"])], "then", [], [helper.make_tensor_value_info("yy", 1, None)]
+        )
+        cond = helper.make_tensor("cond", onnx.TensorProto.BOOL, [], [True])
+        nodes.append(helper.make_node("Constant", [], ["c"], value=cond))
+        nodes.append(helper.make_node("If", ["c"], ["z2"], name="branch", then_branch=body, else_branch=body))
+        outputs.append(helper.make_tensor_value_info("z2", onnx.TensorProto.FLOAT, [1, 3, H]))
     inits = [
         init("table", w(0, V, H)),
         init("g0", w(1, H + 2 * bad_gamma) + 2),
@@ -153,13 +169,18 @@ def test_a_plain_rotatable_block_keeps_its_function() -> None:
     [
         ("post_norm", r"node 'post' \(SimplifiedLayerNormalization\): its normalized output joins the residual stream"),
         ("add_reader", r"node 'tap' \(Add\): reads the residual stream 's1' but is not an RMS norm"),
-        ("shared", r"weight 'W1' is shared with other nodes"),
+        ("shared", r"node 'copy' \(Identity\): shares weight 'W1' with the MatMuls rotation turns"),
+        ("shared_writer", r"node 'proj2' \(MatMul\): weight 'W0' is shared with the writer node 'proj0'"),
+        ("subgraph", r"node 'branch' \(If\): holds a subgraph"),
         ("bad_gamma", r"node 'norm0' \(SimplifiedLayerNormalization\): its weight 'g0' has shape \[18\], not \[16\]"),
     ],
 )
 def test_a_stream_it_cannot_turn_is_refused_in_one_line(kind: str, message: str) -> None:
+    model = block(**{kind: True})
+    before = model.SerializeToString()
     with pytest.raises(NotRotatable, match=message):
-        rotate_residual(block(**{kind: True}))
+        rotate_residual(model)
+    assert model.SerializeToString() == before  # every check runs before the first weight changes
     with pytest.raises(ExportError, match="^rotate: .*" + message) as e:
         export_with_summary(block(**{kind: True}), rotate=True, method="gptq", feeds=FEEDS)
     assert "\n" not in str(e.value)
@@ -172,7 +193,28 @@ def test_a_graph_without_an_embedding_is_refused() -> None:
         export_with_summary(model, rotate=True, method="gptq", feeds={"x": w(2, 1, H)})
 
 
-@pytest.mark.parametrize(("method", "feeds"), [("rtn", True), ("awq", True), ("gptq", False), ("auto", False)])
+@pytest.mark.parametrize(("method", "feeds"), [("rtn", True), ("awq", True), ("auto", True), ("gptq", False)])
 def test_rotation_without_a_calibrated_method_is_refused(method: str, feeds: bool) -> None:
-    with pytest.raises(ValueError, match="rotate=True needs method 'gptq' or 'awq\\+gptq' or 'auto' and feeds"):
+    with pytest.raises(ValueError, match="rotate=True needs method 'gptq' or 'awq\\+gptq' and feeds"):
         export_with_summary(block(), rotate=True, method=method, feeds=FEEDS if feeds else None)
+
+
+def test_a_refused_file_leaves_nothing_behind(tmp_path: Path) -> None:
+    src = tmp_path / "in" / "post.onnx"
+    src.parent.mkdir()
+    onnx.save(block(post_norm=True), src)
+    out = tmp_path / "out" / "q.onnx"
+    out.parent.mkdir()
+    with pytest.raises(ExportError, match="^rotate: .*post-norm"):
+        export_int4(src, out, quiet=True, rotate=True, method="gptq", feeds=FEEDS)
+    assert list(out.parent.iterdir()) == [] and [p.name for p in src.parent.iterdir()] == ["post.onnx"]
+
+
+def test_a_rotated_file_exported_without_an_output_returns_a_whole_model(tmp_path: Path) -> None:
+    src = tmp_path / "block.onnx"
+    onnx.save(block(), src, save_as_external_data=True, location="block.onnx.data", size_threshold=0)
+    q = export_int4(src, None, quiet=True, rotate=True, method="gptq", feeds=FEEDS, bits=8, group_size=16)
+    got = make_session(q, threads=1).run(["y"], FEEDS)[0]
+    ref = ort.InferenceSession(block().SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], FEEDS)[0]
+    np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.05 * float(np.abs(ref).max()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["block.onnx", "block.onnx.data"]

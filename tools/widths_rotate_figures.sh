@@ -4,8 +4,9 @@
 # rotated bits="auto" under a 3.0 budget, each scored as a multiple of MatMulNBits RTN's perplexity gap
 # on 8,192 tokens of the evaluation text (calibration: 8 windows of calib.txt; 4 for the auto export).
 #   tools/widths_rotate_figures.sh [ROOT] [OUT]      # defaults /work/real and ROOT/widths-rotate
+# (the unrotated GPTQ 4-bit row of that table is docs/methods.md's, tools/measure_methods.py)
 # ROOT as tools/real_llm_models.py and tools/real_llm_text.py leave it. Time on a 2-vCPU Zen 4: each
-# uniform export 2-3 min, the auto export ~25 min, scoring ~3 min a model.
+# uniform export 2-3 min, the auto export ~36 min, scoring ~3 min a model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-/work/real}

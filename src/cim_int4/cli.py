@@ -209,7 +209,7 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="first turn the residual stream of an RMS-norm decoder by a random orthogonal matrix folded into "
-        "the weights: the same model, which GPTQ quantizes better (needs --method gptq|awq+gptq|auto and --feeds; "
+        "the weights: the same model, which GPTQ quantizes better (needs --method gptq or awq+gptq, and --feeds; "
         "docs/widths.md 'Rotation')",
     )
 
