@@ -161,7 +161,7 @@ class _Rotation:
                 raise self.fail(others[0], f"shares weight {name!r} with the MatMuls rotation turns")
             if name not in tables and len({g for _, g in read.get(name, [])}) > 1:
                 raise self.fail(read[name][0][0], f"weight {name!r} is read after norms with different weights")
-        hidden = self.hidden(readers, writers, tables)
+        hidden = self.hidden(read, written, tables)
         for norm in norms:
             if self.dims(gammas[id(norm)]) != (hidden,):
                 gamma = gammas[id(norm)]
@@ -223,6 +223,7 @@ class _Rotation:
         tables: dict[str, onnx.NodeProto] = {}
         writers: list[onnx.NodeProto] = []
         stream: set[str] = set()
+        reached: set[int] = set()  # ids of the norms in ``norms``
         frontier = [g.output[0] for g in starts]
         while frontier:
             name = frontier.pop()
@@ -252,7 +253,8 @@ class _Rotation:
                 kind = (reader.domain, reader.op_type)
                 if kind not in RMS_NORMS or slot not in RMS_NORMS[kind].stream_inputs:
                     raise self.fail(reader, f"reads the residual stream {name!r} but is not an RMS norm")
-                if reader not in norms:
+                if id(reader) not in reached:
+                    reached.add(id(reader))
                     norms.append(reader)
                     carry = RMS_NORMS[kind].carry
                     frontier += [reader.input[i] for i in RMS_NORMS[kind].stream_inputs]
@@ -284,9 +286,9 @@ class _Rotation:
             raise self.fail(gather, f"its table {data!r} is neither an initializer nor one behind a Transpose")
         return self.weight(node, 0)
 
-    def hidden(self, readers, writers, tables) -> int:
-        sizes = {self.dims(self.weight(r, 1))[0] for r, _ in readers}
-        sizes |= {self.dims(self.weight(w, 1))[1] for w in writers}
+    def hidden(self, read: dict, written: dict, tables: dict[str, onnx.NodeProto]) -> int:
+        """The stream's width, on which every turned weight agrees: readers' rows, writers' columns, tables'."""
+        sizes = {self.dims(name)[0] for name in read} | {self.dims(name)[1] for name in written}
         for name, gather in tables.items():
             rows, cols = self.dims(name)
             sizes.add(rows if self.through_transpose(gather) else cols)
