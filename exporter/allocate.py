@@ -156,15 +156,14 @@ def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None)
         h, err, ref = np.asarray(power, dtype=np.float64), 0.0, 0.0  # no copy when the caller made it float64
         step = max(1, _COLUMN_BYTES // (8 * len(w)))  # an LM head's [K, N] error would be hundreds of MB at once
         for n0 in range(0, qw.n, step):
-            part = QuantizedWeight(
-                qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.bits
-            )
             w64 = w[:, n0 : n0 + step].astype(np.float64)
-            e = dequantize(part.packed, part.scales, part.k, part.group_size, part.bits) - w64
+            part = dequantize(qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.k, qw.group_size, qw.bits,
+                              grid=qw.grid)
+            e = part - w64
             err += float(np.einsum("kn,kn->", h @ e, e))
             ref += float(np.einsum("kn,kn->", h @ w64, w64))
         return err / max(ref, 1e-30)
-    e = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits) - w
+    e = dequantize(qw.packed, qw.scales, qw.k, qw.group_size, qw.bits, grid=qw.grid) - w
     err, ref = np.einsum("kn,kn->k", e, e), np.einsum("kn,kn->k", w, w, dtype=np.float64)
     p = np.ones(w.shape[0]) if power is None else power.astype(np.float64)
     return float(p @ err / max(float(p @ ref), 1e-30))

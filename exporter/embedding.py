@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import GATHER, GATHER_OP_TYPE, SharedInt4Node, encode_int8_scales
+from ..contract import GATHER, GATHER_OP_TYPE, SharedInt4Node, encode_int8_scales, grid_of
 from .fold import DEFAULT_DOMAINS, NotFoldable, Scope
 from .operands import Ineligible
 from .options import ExportOptions
@@ -141,7 +141,8 @@ class Tables:
                 qw = table.given
             else:
                 bits = self.widths.get(table.key) or width_of(o.bits, table.gather_name, table.name)
-                qw = quantize_weight(table.value.T, o.group_size, o.scale_rule, bits, o.scale_dtype)
+                grid = grid_of(o.grid, bits)
+                qw = quantize_weight(table.value.T, o.group_size, o.scale_rule, bits, o.scale_dtype, grid)
             table.quantized = qw
             table.packed_name = self.fresh(f"{table.name}/int4_packed")
             table.scales_name = self.fresh(f"{table.name}/int4_scales")
@@ -169,4 +170,5 @@ class Tables:
             qw.group_size,
             GATHER,
             bits=qw.bits,
+            grid=qw.grid,
         ).to_node()

@@ -157,12 +157,12 @@ def forget_shapes(graph: onnx.GraphProto, mlp: GatedMLP) -> None:
 def fuse(gate: Int4Node, up: Int4Node, mlp: GatedMLP, name: str) -> Int4Node | None:
     """The gated node of two INT4 projections of ``mlp``, or None when they differ in what one node must share.
 
-    Both must have the same input, K, group size, width, scale dtype and compute mode, and
+    Both must have the same input, K, group size, width, grid, scale dtype and compute mode, and
     neither be gated already; the codes, scales and biases are stacked gate first.
     """
     same = (
         gate.inputs == up.inputs
-        and (gate.k, gate.n, gate.group_size, gate.bits) == (up.k, up.n, up.group_size, up.bits)
+        and (gate.k, gate.n, gate.group_size, gate.bits, gate.grid) == (up.k, up.n, up.group_size, up.bits, up.grid)
         and gate.compute == up.compute
         and gate.scales.dtype == up.scales.dtype
         and (gate.super_scales is None) == (up.super_scales is None)

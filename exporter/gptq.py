@@ -15,7 +15,9 @@ Details, as in the reference implementation:
 * lazy block updates: inside a block of ``block`` channels the spread is done column by
   column; the rest of the weight is updated once per block with one matrix product;
 * groups: a group's scale is chosen (by the export's scale rule) when the sweep reaches its
-  first channel, from the weights as the sweep has updated them (groups found on the fly);
+  first channel, from the weights as the sweep has updated them (groups found on the fly); the
+  ``mse`` rule weighs each channel's squared error by ``H[k, k]`` (``Factor.importance``: the
+  layer's output error without the cross terms), not equally (docs/methods.md);
 * scales are rounded to the stored dtype (int8 by default, float16, float32; float32 for the
   whole weight when float16 cannot hold one of them or of its super-scales) as soon as they are
   chosen, so the sweep rounds and spreads the error against the scales the op will read. int8
@@ -39,12 +41,14 @@ import numpy as np
 
 from ..contract import (
     DEFAULT_BITS,
+    DEFAULT_GRID,
     SUPER_GROUPS,
     check_bits,
+    check_grid,
     int8_multiple,
     int8_scales,
     int8_steps,
-    q_range,
+    round_to_grid,
     row_bytes,
     supers_of,
 )
@@ -57,10 +61,10 @@ DEFAULT_BLOCK = 128
 _ROW_BLOCK_BYTES = 32 << 20
 
 
-def _rounded(w: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
-    """Signed codes of ``w`` at ``scale``, ``bits`` wide (the contract's rounding: scale 0 gives 0)."""
+def _rounded(w: np.ndarray, scale: np.ndarray, bits: int, grid: str = DEFAULT_GRID) -> np.ndarray:
+    """Signed codes of ``w`` at ``scale``, ``bits`` wide on ``grid`` (the contract's rounding: scale 0 gives 0)."""
     safe = np.where(scale != 0, scale, np.float32(1.0))
-    return np.clip(np.rint(w / safe), *q_range(bits))
+    return round_to_grid(w / safe, bits, grid)
 
 
 def _lower_inverse(lower: np.ndarray) -> np.ndarray:
@@ -107,6 +111,9 @@ class Factor:
     k: int
     perm: np.ndarray  # input channels (K padded to whole groups) in sweep order
     u: np.ndarray  # float32 upper [Kp, Kp]
+    # float32 [Kp], input channel order: H[k, k], floored at 1% of its mean (channels never seen get that),
+    # the weight of each channel in the mse rule's error when the sweep picks a group's scale.
+    importance: np.ndarray | None = None
 
 
 def factor(xtx: np.ndarray, group_size: int, damp: float = DEFAULT_DAMP, act_order: bool = False) -> Factor:
@@ -116,7 +123,10 @@ def factor(xtx: np.ndarray, group_size: int, damp: float = DEFAULT_DAMP, act_ord
     h = np.zeros((kp, kp))
     h[:k, :k] = xtx
     perm = np.argsort(-np.diagonal(h), kind="stable") if act_order else np.arange(kp)
-    return Factor(k, perm, upper_inverse_cholesky(h[np.ix_(perm, perm)], damp).astype(np.float32))
+    diag = np.diagonal(h)
+    floor = 0.01 * float(diag[:k].mean()) if k and diag[:k].mean() > 0 else 1.0
+    importance = np.maximum(diag, floor).astype(np.float32)
+    return Factor(k, perm, upper_inverse_cholesky(h[np.ix_(perm, perm)], damp).astype(np.float32), importance)
 
 
 def gptq_quantize(
@@ -130,13 +140,15 @@ def gptq_quantize(
     act_order: bool = False,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
     bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> QuantizedWeight:
     """GPTQ of a float ``[K, N]`` weight given ``xtx`` = sum of x x^T [K, K] on the calibration rows (or its Factor).
 
-    ``bits``: the code width (contract.SUPPORTED_BITS); the sweep is the same at every width, only
-    the grid (``q_range(bits)``) and the scale rule's divisor (``2^(bits-1)``) change.
+    ``bits``: the code width (contract.SUPPORTED_BITS) and ``grid`` what its codes stand for; the sweep
+    is the same for every one, only the levels (``q_range(bits)`` uniform, else the grid's) and the
+    scale rule's divisor (the largest level) change.
     """
-    check_bits(bits)
+    check_grid(grid, check_bits(bits))
     w = np.asarray(w, dtype=np.float32)
     k, n = w.shape
     f = xtx if isinstance(xtx, Factor) else factor(xtx, group_size, damp, act_order)
@@ -159,26 +171,27 @@ def gptq_quantize(
             wt[:, :k] = w[:, r0 : r0 + step].T
             # int8: every run's super-scale from the weights before the sweep; without act order the
             # sweep sets each run's again when it gets there (_sweep).
-            rows_supers = _super_scales(wt.reshape(len(wt), groups, group_size), scale_rule, bits) if int8 else None
-            chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers)
+            blocks = wt.reshape(len(wt), groups, group_size)
+            rows_supers = _super_scales(blocks, scale_rule, bits, grid) if int8 else None
+            chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers, grid, f.importance, group_size)
             s = chosen(wt.reshape(len(wt), groups, group_size), 0) if static else None
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
             codes = np.empty_like(q)
             codes[:, perm] = q
-            packed[r0 : r0 + step] = pack(codes.astype(np.int8), bits)
+            packed[r0 : r0 + step] = pack(codes.astype(np.int8), bits, grid, pad_from=k)
             scales[r0 : r0 + step] = s
             if supers is not None:
                 supers[r0 : r0 + step] = rows_supers
     except _NotStorable:  # float16 cannot hold a (super-)scale of this weight: all float32, as quantize_weight does
-        return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32", bits=bits)
+        return gptq_quantize(w, f, group_size, scale_rule, block=block, scale_dtype="float32", bits=bits, grid=grid)
     return QuantizedWeight(
-        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers
+        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers, grid=grid
     )
 
 
-def _super_scales(blocks: np.ndarray, scale_rule: str, bits: int) -> np.ndarray:
+def _super_scales(blocks: np.ndarray, scale_rule: str, bits: int, grid: str = DEFAULT_GRID) -> np.ndarray:
     """float16 super-scales [rows, supers] of the rule's scales of ``blocks`` [rows, groups, group_size]."""
-    encoded = int8_scales(group_scales(blocks, scale_rule, bits))
+    encoded = int8_scales(group_scales(blocks, scale_rule, bits, grid))
     if encoded is None:
         raise _NotStorable
     return encoded[1]
@@ -199,10 +212,17 @@ class _Chooser:
     scale_dtype: str
     bits: int
     supers: np.ndarray | None = None
+    grid: str = DEFAULT_GRID
+    importance: np.ndarray | None = None  # Factor.importance: the mse rule's weights per input channel
+    group_size: int = 0
 
     def __call__(self, blocks: np.ndarray, g0: int) -> np.ndarray:
         """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
-        s = group_scales(blocks, self.scale_rule, self.bits)
+        weights = None
+        if self.importance is not None:
+            span = self.importance[g0 * self.group_size : (g0 + blocks.shape[1]) * self.group_size]
+            weights = span.reshape(1, blocks.shape[1], self.group_size)
+        s = group_scales(blocks, self.scale_rule, self.bits, self.grid, weights)
         if self.supers is not None:
             step = int8_steps(self.supers, g0 + s.shape[1])[:, g0:]
             return int8_multiple(s, step).astype(np.float32) * step
@@ -213,7 +233,7 @@ class _Chooser:
     def start_run(self, blocks: np.ndarray, run: int) -> None:
         """int8 scales: run ``run``'s super-scales from its groups' weights ``blocks`` [rows, groups, group_size]."""
         if self.supers is not None:
-            self.supers[:, run] = _super_scales(blocks, self.scale_rule, self.bits)[:, 0]
+            self.supers[:, run] = _super_scales(blocks, self.scale_rule, self.bits, self.grid)[:, 0]
 
 
 def _sweep(
@@ -245,7 +265,7 @@ def _sweep(
                 scales[:, g] = chosen(w1[:, None, i : i + group_size], g)[:, 0]
             s = scales[:, g]
             c = w1[:, i]
-            qc = _rounded(c, s, chosen.bits)
+            qc = _rounded(c, s, chosen.bits, chosen.grid)
             q[:, col] = qc
             e = (c - qc * s) / u1[i, i]
             w1[:, i + 1 :] -= np.outer(e, u1[i, i + 1 :])
@@ -262,9 +282,7 @@ def weighted_error(w: np.ndarray, qw: QuantizedWeight, xtx: np.ndarray) -> float
     total = 0.0
     step = max(1, _ROW_BLOCK_BYTES // (8 * max(1, len(w))))
     for n0 in range(0, qw.n, step):
-        part = QuantizedWeight(
-            qw.k, min(step, qw.n - n0), qw.group_size, qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.bits
-        )
-        e = dequantize(part.packed, part.scales, qw.k, qw.group_size, qw.bits) - w[:, n0 : n0 + step]
+        e = dequantize(qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.k, qw.group_size, qw.bits, grid=qw.grid)
+        e = e - w[:, n0 : n0 + step]
         total += float(np.einsum("kn,kn->", xtx @ e, e))
     return total

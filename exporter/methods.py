@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from ..contract import grid_of
 from . import awq
 from .calibration import Calibration, Feeds, Stats, split
 from .gptq import Factor, factor, gptq_quantize
@@ -101,7 +102,7 @@ def quantize_layer(
     """
     c = probe.candidates[index]
     if method != "gptq" or c.key not in probe.measured:
-        return quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype)
+        return quantize_weight(c.w, options.group_size, rule, bits, options.scale_dtype, grid_of(options.grid, bits))
     assert calibration is not None
     x = probe.inputs[c.key]
     if x not in factors:
@@ -116,6 +117,7 @@ def quantize_layer(
         block=options.gptq_block,
         scale_dtype=options.scale_dtype,
         bits=bits,
+        grid=grid_of(options.grid, bits),
     )
 
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import COMPUTE_MODES, DEFAULT_BITS, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, check_group_size
+from ..contract import (
+    COMPUTE_MODES,
+    DEFAULT_BITS,
+    DEFAULT_COMPUTE,
+    DEFAULT_GRID,
+    DEFAULT_GROUP_SIZE,
+    GRIDS,
+    check_group_size,
+)
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
 from .quantize import DEFAULT_SCALE_DTYPE, DEFAULT_SCALE_RULE, check_scale_dtype
 from .scale_rules import check_scale_rule
@@ -80,6 +88,9 @@ class ExportOptions:
       the stored scales' type (exporter.widths, exporter.allocate, docs/widths.md). Methods ``rtn``
       and ``gptq`` quantize at any width (``bits="auto"`` then measures each width under that
       method); the AWQ ones at 4. Every method writes every scale dtype.
+    * ``grid`` (``"uniform"``, ``"normal"``): what the codes of 2- and 3-bit layers stand for
+      (contract.GRIDS); ``"normal"`` puts them on Gaussian levels, for rotated weights (docs/widths.md).
+      Other widths stay uniform.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -103,6 +114,7 @@ class ExportOptions:
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     bits_sensitivity: str = "auto"  # bits="auto": one of BITS_SENSITIVITIES (exporter.allocate)
     rotate: bool = False
+    grid: str = DEFAULT_GRID
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -117,6 +129,10 @@ class ExportOptions:
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "bits", normalize_bits(self.bits))
         check_scale_dtype(self.scale_dtype)
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
+        if self.grid != DEFAULT_GRID and self.method not in ANY_WIDTH_METHODS:
+            raise ValueError(f"grid={self.grid!r} needs method 'rtn' or 'gptq' (got {self.method!r})")
         if self.bits_sensitivity not in BITS_SENSITIVITIES:
             raise ValueError(f"bits_sensitivity must be one of {BITS_SENSITIVITIES}, got {self.bits_sensitivity!r}")
         if self.method not in ANY_WIDTH_METHODS and self.bits != DEFAULT_BITS:

@@ -62,7 +62,7 @@ def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True) -> dict[str
         return {c.weight_name: weight32(qw)}
     return {  # K is whole groups here (``Codes``): no padding to cut
         c.codes.select: np.array(True),
-        c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits).T),  # [K, N] int8
+        c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits, qw.grid).T),  # [K, N] int8
         c.codes.scales: np.ascontiguousarray(qw.scales.astype(np.float32).T[:, None, :]),  # [G, 1, N]
     }
 
@@ -70,7 +70,7 @@ def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True) -> dict[str
 def weight32(qw: QuantizedWeight) -> np.ndarray:
     """``ops.reference.dequantize(...)`` rounded to float32, computed in float32 (the same bits: a code times a
     scale is exact in float64, so its one rounding is float32's multiply), without float64 temporaries."""
-    w = unpack(qw.packed, qw.bits).astype(np.float32)  # [N, K_padded]
+    w = unpack(qw.packed, qw.bits, qw.grid).astype(np.float32)  # [N, K_padded]
     w *= np.repeat(qw.scales.astype(np.float32), qw.group_size, axis=1)
     return np.ascontiguousarray(w[:, : qw.k].T)
 

@@ -1,7 +1,8 @@
 """Symmetric quantization of a weight into the `CimInt4MatMul` attribute format (cim_int4.contract).
 
 Written for 4 bits below; at another width b (``bits``) read 8 as ``2^(b-1)``, -8..7 as
-``q_range(b)`` and the nibbles as the contract's little-endian bit stream. With
+``q_range(b)`` and the nibbles as the contract's little-endian bit stream; on a non-uniform
+``grid`` (contract.GRIDS) read -8..7 as its levels, rounding to the nearest (``round_to_grid``). With
 ``scale_dtype="int8"`` (the default) each scale is rounded to an int8 fraction of its
 super-block's float16 super-scale (``contract.int8_scales``) *before* the codes are chosen, so the
 codes fit the scale the file actually stores; a weight whose super-scales float16 cannot hold
@@ -36,15 +37,18 @@ import numpy as np
 
 from ..contract import (
     DEFAULT_BITS,
+    DEFAULT_GRID,
     DEFAULT_GROUP_SIZE,
     SCALE_DTYPES,
     SUPER_GROUPS,
     SUPPORTED_GROUP_SIZES,
     check_bits,
+    check_grid,
     check_group_size,
     int8_scales,
     pack,
     q_range,
+    round_to_grid,
     scale_values,
 )
 from .scale_rules import check_scale_rule, group_scales
@@ -119,6 +123,7 @@ class QuantizedWeight:
     scales: np.ndarray
     bits: int = DEFAULT_BITS
     super_scales: np.ndarray | None = None
+    grid: str = DEFAULT_GRID
 
     @property
     def nbytes(self) -> int:
@@ -134,23 +139,25 @@ def quantize(
     scale_rule: str = DEFAULT_SCALE_RULE,
     bits: int = DEFAULT_BITS,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    grid: str = DEFAULT_GRID,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] in ``q_range(bits)`` and ``scales`` [N, groups].
+    """Quantize a float ``[K, N]`` weight: ``q`` int8 [N, K_padded] (levels of ``grid``, ``q_range(bits)`` when
+    uniform) and ``scales`` [N, groups].
 
     ``scales`` are of ``scale_dtype`` (float32 or float16; float32 when a scale would overflow or underflow
     float16; int8: the float32 values of the int8 scales); the codes are those of the stored scales.
     """
-    q, scales, _ = _quantize(w, group_size, scale_rule, bits, scale_dtype)
+    q, scales, _ = _quantize(w, group_size, scale_rule, bits, scale_dtype, grid)
     return q, scales
 
 
 def _quantize(
-    w: np.ndarray, group_size: int, scale_rule: str, bits: int, scale_dtype: str
+    w: np.ndarray, group_size: int, scale_rule: str, bits: int, scale_dtype: str, grid: str = DEFAULT_GRID
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``quantize``, and the super-scales of int8 scales (else None; float32 scales when they cannot be int8)."""
     check_group_size(group_size)
     check_scale_rule(scale_rule)
-    check_bits(bits)
+    check_grid(grid, check_bits(bits))
     check_scale_dtype(scale_dtype)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
@@ -163,7 +170,7 @@ def _quantize(
     blocks = wt.reshape(n, groups, group_size)
     # Padding zeros never change a group's scale under any rule (all look at |w| extremes or
     # squared error, and a zero is exact on every grid).
-    scales = group_scales(blocks, scale_rule, bits)
+    scales = group_scales(blocks, scale_rule, bits, grid)
     super_scales = None
     if scale_dtype == "int8":
         encoded = int8_scales(scales)
@@ -177,9 +184,10 @@ def _quantize(
     stored = scales.astype(np.float32)
     safe = np.where(stored != 0, stored, np.float32(1.0))[:, :, None]
     np.divide(blocks, safe, out=blocks)
-    np.rint(blocks, out=blocks)
-    lo, hi = q_range(bits)
-    q = np.clip(blocks, lo, hi, out=blocks).astype(np.int8)
+    if grid == DEFAULT_GRID:
+        q = np.clip(np.rint(blocks, out=blocks), *q_range(bits), out=blocks).astype(np.int8)
+    else:
+        q = round_to_grid(blocks, bits, grid).astype(np.int8)
     return q.reshape(n, groups * group_size), scales, super_scales
 
 
@@ -193,12 +201,14 @@ def quantize_weight(
     scale_rule: str = DEFAULT_SCALE_RULE,
     bits: int = DEFAULT_BITS,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    grid: str = DEFAULT_GRID,
 ) -> QuantizedWeight:
-    """Quantize and pack a float ``[K, N]`` weight into the attribute format: ``bits`` wide, ``scale_dtype`` scales."""
+    """Quantize and pack a float ``[K, N]`` weight into the attribute format: ``bits`` wide, ``scale_dtype`` scales,
+    codes standing for the levels of ``grid``."""
     w = np.asarray(w, dtype=np.float32)
     check_group_size(group_size)
     check_scale_rule(scale_rule)
-    check_bits(bits)
+    check_grid(grid, check_bits(bits))
     check_scale_dtype(scale_dtype)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [K, N], got shape {w.shape}")
@@ -211,13 +221,13 @@ def quantize_weight(
     # Output channels are independent under every scale rule: blocks of them bound the temporaries.
     step = max(1, _BLOCK_BYTES // max(1, 4 * groups * group_size))
     for n0 in range(0, n, step):
-        q, s, d = _quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype)
+        q, s, d = _quantize(w[:, n0 : n0 + step], group_size, scale_rule, bits, scale_dtype, grid)
         if s.dtype != scales.dtype or (int8 and d is None):  # float16 cannot hold them: all scales float32
-            return quantize_weight(w, group_size, scale_rule, bits, "float32")
-        packed[n0 : n0 + step] = pack(q, bits)
+            return quantize_weight(w, group_size, scale_rule, bits, "float32", grid)
+        packed[n0 : n0 + step] = pack(q, bits, grid, pad_from=k)
         scales[n0 : n0 + step] = s
         if supers is not None:
             supers[n0 : n0 + step] = d
     return QuantizedWeight(
-        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers
+        k=k, n=n, group_size=group_size, packed=packed, scales=scales, bits=bits, super_scales=supers, grid=grid
     )

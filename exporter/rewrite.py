@@ -10,7 +10,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..contract import DEFAULT_BITS, MATMUL_SHARED, OP_DOMAIN, OP_TYPE, OP_VERSION, Int4Node, SharedInt4Node
+from ..contract import (
+    DEFAULT_BITS,
+    MATMUL_SHARED,
+    OP_DOMAIN,
+    OP_TYPE,
+    OP_VERSION,
+    Int4Node,
+    SharedInt4Node,
+    grid_of,
+)
 from . import gated
 from .embedding import NotATable, Table, Tables, is_gather, plan_gather
 from .fold import DEFAULT_DOMAINS, Scope
@@ -106,7 +115,7 @@ class Rewriter:
         self.keep = keep or {}
         self.quantized = quantized or {}
         self.opset = _default_opset(model)
-        self.summary = ExportSummary(options.group_size, options.scale_rule, options.node_compute)
+        self.summary = ExportSummary(options.group_size, options.scale_rule, options.node_compute, options.grid)
         self.names = defined_names(model.graph)
         self.folded: set[str] = set()  # names read through by a quantized weight or bias
         self.overridable: set[str] = set()
@@ -399,7 +408,8 @@ class Rewriter:
             self.widths_used[key] = qw.bits
             inputs = (x, table.packed_name, table.scales_name) + ((table.super_name,) if table.super_name else ())
             op = SharedInt4Node(
-                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, o.node_compute, qw.bits
+                base, inputs, (out,), qw.k, qw.group_size, MATMUL_SHARED, qw.n, plan.bias, o.node_compute, qw.bits,
+                qw.grid,
             ).to_node()
             return [op], 0 if plan.bias is None else plan.bias.nbytes
         node = self.int4_node(base, key, x, out, plan)
@@ -408,13 +418,14 @@ class Rewriter:
     def int4_node(self, base: str, key: str, x: str, out: str, plan: Plan) -> Int4Node:
         """The CimInt4MatMul of ``out = x @ W (+ bias)``, its weight quantized (or taken from ``quantized``)."""
         o = self.options
+        bits = width_of(o.bits, key, base)
         qw = self.quantized.get(key) or quantize_weight(
-            plan.w, self.group_size, o.scale_rule, width_of(o.bits, key, base), o.scale_dtype
+            plan.w, self.group_size, o.scale_rule, bits, o.scale_dtype, grid_of(o.grid, bits)
         )
         self.widths_used[key] = qw.bits
         return Int4Node(
             base, (x,), (out,), qw.k, qw.n, qw.group_size, qw.packed, qw.scales, plan.bias, o.node_compute,
-            bits=qw.bits, super_scales=qw.super_scales,
+            bits=qw.bits, super_scales=qw.super_scales, grid=qw.grid,
         )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contract import DEFAULT_BITS, code_offset, q_range
+from ..contract import DEFAULT_BITS, DEFAULT_GRID, max_level, round_to_grid
 
 SCALE_RULES = ("amax8", "signed", "mse", "balanced", "auto")
 # What "auto" means without calibration inputs (up to AUTO_BALANCED_MAX_GROUP; "signed" above),
@@ -83,49 +83,67 @@ def signed_extreme(blocks: np.ndarray) -> np.ndarray:
     return np.where(hi >= -lo, hi, lo)
 
 
-def group_scales(blocks: np.ndarray, scale_rule: str, bits: int = DEFAULT_BITS) -> np.ndarray:
+def group_scales(
+    blocks: np.ndarray,
+    scale_rule: str,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
     """float32 scales [..., groups] for float32 ``blocks`` [..., groups, group_size]: ``scale_rule``, ``bits`` wide.
 
-    At other widths than 4 every rule is the same with ``8`` read as ``2^(bits-1)``: ``amax8``
-    is ``max|w| / 2^(b-1)``, ``signed`` maps ``m`` to ``-2^(b-1)``, and ``mse``/``balanced``
-    search the divisors scaled by ``2^(b-1) / 8`` on the width's code range.
+    At other widths than 4, or on a non-uniform ``grid``, every rule is the same with ``8`` read as
+    the grid's largest ``|q|`` (``2^(b-1)`` uniform): ``amax8`` is ``max|w| / top``, ``signed`` maps
+    ``m`` to ``-top``, and ``mse``/``balanced`` search the divisors scaled by ``top / 8``, rounding to
+    the grid's levels.
+
+    ``weights`` (broadcastable to ``blocks``, >= 0): the ``mse`` rule minimises ``sum h (w - s q)^2``
+    instead (GPTQ passes each input channel's ``H[k, k]``); the other rules ignore it.
     """
     check_scale_rule(scale_rule)
     if scale_rule == "auto":
         scale_rule = auto_rule(blocks.shape[-1])
-    offset = np.float32(code_offset(bits))
+    offset = np.float32(max_level(bits, grid))
     if scale_rule == "amax8":
         return (np.abs(blocks).max(axis=-1) / offset).astype(np.float32)
     if scale_rule == "signed":
         return (signed_extreme(blocks) / -offset).astype(np.float32)
     if scale_rule == "balanced":
-        return _balanced_scales(blocks, bits)
+        return _balanced_scales(blocks, bits, grid)
     flat = blocks.reshape(-1, blocks.shape[-1])
+    h = None if weights is None else np.broadcast_to(weights, blocks.shape).reshape(flat.shape).astype(np.float32)
     rows = max(1, _MSE_CHUNK_ELEMENTS // max(1, flat.shape[1]))
     out = np.empty(flat.shape[0], dtype=np.float32)
     for start in range(0, flat.shape[0], rows):
-        out[start : start + rows] = _mse_scales(flat[start : start + rows], bits=bits)
+        part = None if h is None else h[start : start + rows]
+        out[start : start + rows] = _mse_scales(flat[start : start + rows], bits=bits, grid=grid, weights=part)
     return out.reshape(blocks.shape[:-1])
 
 
-def _balanced_scales(blocks: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+def _balanced_scales(blocks: np.ndarray, bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID) -> np.ndarray:
     """The balanced rule for float32 ``blocks`` [N, groups, g]: groups in K order, one column of N at a time."""
     n, groups, _ = blocks.shape
     scales = np.empty((n, groups), dtype=np.float32)
     carry = np.zeros(n, dtype=np.float64)  # the error sum so far along each output channel
-    lo, hi = q_range(bits)
     for j in range(groups):
         b = np.ascontiguousarray(blocks[:, j, :])
-        s = _mse_scales(b, carry, bits)
+        s = _mse_scales(b, carry, bits, grid)
         scales[:, j] = s
         # The codes exactly as quantize() will make them, so the carry is the true error sum.
-        q = np.clip(np.rint(b / np.where(s != 0, s, np.float32(1.0))[:, None]), lo, hi)
+        q = round_to_grid(b / np.where(s != 0, s, np.float32(1.0))[:, None], bits, grid)
         carry += (b - q * s[:, None]).sum(axis=1, dtype=np.float64)
     return scales
 
 
-def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None, bits: int = DEFAULT_BITS) -> np.ndarray:
-    """The mse rule for float32 ``blocks`` [R, g], or the balanced one given each row's ``carry`` (module doc)."""
+def _mse_scales(
+    blocks: np.ndarray,
+    carry: np.ndarray | None = None,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
+    """The mse rule for float32 ``blocks`` [R, g], or the balanced one given each row's ``carry`` (module doc);
+    ``weights`` [R, g] (mse only): each element's weight in the squared error."""
     m = signed_extreme(blocks)
     am = np.abs(m)
     live = am > 0
@@ -134,21 +152,26 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None, bits: int =
     # Divided, not multiplied by 1/|m|: that reciprocal overflows for subnormal groups.
     safe_am = np.where(live, am, np.float32(1.0))
     v = blocks / safe_am[:, None] * np.sign(m)[:, None]
-    vv = np.einsum("ij,ij->i", v, v)
+    hv = v if weights is None else weights * v
+    vv = np.einsum("ij,ij->i", hv, v)
     # All candidates at once: axis 0 of every array below is the candidate.
     flip = np.array([False] * len(MSE_DIVISORS) + [True] * len(MSE_FLIPPED_DIVISORS))
-    offset = code_offset(bits)
-    # The 4-bit divisors (around 8 steps) scaled to the width's 2^(b-1); exactly them at 4 bits.
+    offset = max_level(bits, grid)
+    # The 4-bit divisors (around 8 steps) scaled to the grid's largest |q|; exactly them at 4 bits.
     divisors = np.array(MSE_DIVISORS + MSE_FLIPPED_DIVISORS, dtype=np.float32)[:, None, None]
     if offset != 8:
         divisors = (divisors * np.float32(offset / 8)).astype(np.float32)
     lo = np.where(flip, np.float32(-offset), np.float32(1 - offset))[:, None, None]
     hi = np.where(flip, np.float32(offset - 1), np.float32(offset))[:, None, None]
 
+    def rounded(x: np.ndarray) -> np.ndarray:
+        """Codes of ``x`` per candidate: the uniform range above, or a grid's levels (symmetric: flips are alike)."""
+        return np.clip(np.rint(x), lo, hi) if grid == DEFAULT_GRID else round_to_grid(x, bits, grid)
+
     def score(q: np.ndarray, t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(objective, step) per candidate and row for codes ``q``; ``t`` None: the least-squares step."""
-        vq = np.einsum("crg,rg->cr", q, v)
-        qq = np.einsum("crg,crg->cr", q, q)
+        vq = np.einsum("crg,rg->cr", q, hv)
+        qq = np.einsum("crg,crg->cr", q, q) if weights is None else np.einsum("crg,crg,rg->cr", q, q, weights)
         if t is None:
             # For fixed codes q the best step is <v,q>/<q,q>, leaving vv - <v,q>^2/<q,q>;
             # re-rounding at that step can only lower the error further.
@@ -157,22 +180,22 @@ def _mse_scales(blocks: np.ndarray, carry: np.ndarray | None = None, bits: int =
         bias = dc - t * np.einsum("crg->cr", q)
         return vv - 2 * t * vq + t * t * qq + np.float32(BALANCE) * bias * bias, t
 
-    q = np.clip(np.rint(v * divisors), lo, hi)
+    q = rounded(v * divisors)
     if carry is None:
         err, step = score(q, None)
     else:
         # carry in v units; a group far smaller than the carry cannot cancel it, so cap it
         dc = (np.clip(carry / safe_am * np.sign(m), -1e6, 1e6) + v.sum(axis=1)).astype(np.float32)
-        grid = np.broadcast_to(np.float32(1.0) / divisors[:, :, 0], q.shape[:2])
-        err0, _ = score(q, grid)
+        base = np.broadcast_to(np.float32(1.0) / divisors[:, :, 0], q.shape[:2])
+        err0, _ = score(q, base)
         # Each candidate's codes at the step that is best for them under the balanced
         # objective, scored with the codes that step rounds to (re-rounding moves the sum).
         sq = np.einsum("crg->cr", q)
         den = np.einsum("crg,crg->cr", q, q) + np.float32(BALANCE) * sq * sq
         t = (np.einsum("crg,rg->cr", q, v) + np.float32(BALANCE) * sq * dc) / np.where(den > 0, den, 1)
-        t = np.where(t > 0, t, grid).astype(np.float32)
-        err1, _ = score(np.clip(np.rint(v / t[:, :, None]), lo, hi), t)
-        err, step = np.concatenate([err0, err1]), np.concatenate([grid, t])
+        t = np.where(t > 0, t, base).astype(np.float32)
+        err1, _ = score(rounded(v / t[:, :, None]), t)
+        err, step = np.concatenate([err0, err1]), np.concatenate([base, t])
         flip = np.concatenate([flip, flip])
     err = np.where(step > 0, err, np.inf)
     best = np.argmin(err, axis=0)  # first of equals: the documented candidate order

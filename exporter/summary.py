@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contract import DEFAULT_BITS
+from ..contract import DEFAULT_BITS, GRID_BITS
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,7 @@ class ExportSummary:
     group_size: int
     scale_rule: str
     compute: str
+    grid: str = "uniform"  # the export's grid option (contract.GRIDS): what 2- and 3-bit codes stand for
     rewritten: list[Rewritten] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -179,6 +180,8 @@ class ExportSummary:
             f"cim-int4: {len(self.rewritten)} node(s) quantized to INT4 (group {self.group_size}, "
             f"scale rule {self.scale_rule}, compute {self.compute}), {len(self.skipped)} skipped"
         ]
+        if self.grid != "uniform" and any(r.bits in GRID_BITS for r in self.rewritten):
+            lines.append(f"  codes of the 2- and 3-bit layers stand for the {self.grid!r} grid's levels")
         for r in self.rewritten:
             notes = f" ({r.notes})" if r.notes else ""
             lines.append(f"  quantized {r.path}{r.op_type} {r.name!r}: K={r.k} N={r.n} {r.bits}-bit{notes}")

@@ -11,15 +11,17 @@ Two levels:
   float64, which can round twice in rare ties).
 
 Compute modes (attribute ``compute``; absent means ``"fp32"``), per output ``y[m, n]``,
-groups ``g`` of ``group_size`` k in order, codes ``c`` (0 .. 2^b - 1 for ``bits`` b; offset
-``o = 2^(b-1)``, 8 for 4 bits) and weight scale ``s[n, g]`` (float16 scales read as float32):
+groups ``g`` of ``group_size`` k in order, the q of each code (``c - 2^(b-1)`` for ``bits`` b
+on the uniform grid, else the code's level: ``contract.levels``) and weight scale ``s[n, g]``
+(float16 scales read as float32):
 
-* ``"fp32"``: ``t = 0; for k in g: t = fma(a[m, k], c - o, t)``; ``acc = fma(t, s, acc)``.
+* ``"fp32"``: ``t = 0; for k in g: t = fma(a[m, k], q, t)``; ``acc = fma(t, s, acc)``.
 * ``"int8"``: each row of A is quantized per group (``quantize_activations``):
   ``amax = max|a|``, ``qa = rint(a * (127 / amax))`` (int8, |qa| <= 127, 0 where amax = 0),
   ``as = amax / 127``, ``bsum = sum qa`` (a group with amax = 0 or 127 / amax overflowing
   counts as zero). Then per group the exact integer
-  ``d = sum qa * c - o * bsum`` and ``acc = fma(float(d), as * s, acc)``.
+  ``d = sum qa * q`` (the op forms it as ``sum qa * (q + z) - z * bsum`` with u8 ``q + z``) and
+  ``acc = fma(float(d), as * s, acc)``.
 
 Both end with ``y = acc + bias`` (when there is a bias). All float operations are float32.
 A gated node (attribute ``gated``) then outputs ``gated(y, activation)``: the activation of the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contract import COMPUTE_MODES, DEFAULT_BITS, GATED_ACTIVATIONS, check_compute, code_offset, scale_values, unpack
+from ..contract import COMPUTE_MODES, DEFAULT_BITS, DEFAULT_GRID, GATED_ACTIVATIONS, check_compute, scale_values, unpack
 
 __all__ = [
     "COMPUTE_MODES", "GATED_ACTIVATIONS", "dequantize", "emulate", "error_bound", "gate", "gated", "gated_bound",
@@ -46,11 +48,12 @@ def dequantize(
     group_size: int,
     bits: int = DEFAULT_BITS,
     super_scales: np.ndarray | None = None,
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
     """The float64 weight ``[K, N]`` that the attributes stand for (int8 ``scales`` with their ``super_scales``)."""
     if np.asarray(scales).dtype == np.int8 and super_scales is None:
         raise ValueError("int8 scales need their super_scales (contract.scale_values)")
-    q = unpack(packed, bits).astype(np.float64)
+    q = unpack(packed, bits, grid).astype(np.float64)
     n = q.shape[0]
     per_element = np.repeat(scale_values(scales, super_scales).astype(np.float64), group_size, axis=1)
     if per_element.shape != q.shape:
@@ -66,19 +69,26 @@ def matmul(
     group_size: int,
     bias: np.ndarray | None = None,
     bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
     """``a @ W (+ bias)`` in float64 for ``a`` [..., K]: what the op computes, without rounding."""
     a = np.asarray(a, dtype=np.float64)
     if a.shape[-1] != k:
         raise ValueError(f"a has last dimension {a.shape[-1]}, expected K={k}")
-    y = a @ dequantize(packed, scales, k, group_size, bits)
+    y = a @ dequantize(packed, scales, k, group_size, bits, grid=grid)
     if bias is not None:
         y = y + np.asarray(bias, dtype=np.float64)
     return y
 
 
 def error_bound(
-    a: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, group_size: int, bits: int = DEFAULT_BITS
+    a: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    group_size: int,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
     """Worst-case FP32 rounding error of any summation order of ``a @ W``, elementwise.
 
@@ -88,7 +98,7 @@ def error_bound(
     order or a wrong scale breaks it by orders of magnitude.
     """
     u = 2.0**-24
-    absw = np.abs(dequantize(packed, scales, k, group_size, bits))
+    absw = np.abs(dequantize(packed, scales, k, group_size, bits, grid=grid))
     return (k + 2) * u * (np.abs(np.asarray(a, dtype=np.float64)) @ absw)
 
 
@@ -175,30 +185,29 @@ def emulate(
     bias: np.ndarray | None = None,
     compute: str = "fp32",
     bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
     """float32 ``a @ W (+ bias)`` with exactly the arithmetic of compute mode ``compute`` (see the module doc)."""
     check_compute(compute)
     a = np.asarray(a, dtype=np.float32)
     lead = a.shape[:-1]
-    offset = code_offset(bits)
-    codes = unpack(packed, bits).astype(np.int32) + offset  # [N, K_padded]
+    q = unpack(packed, bits, grid).astype(np.int32)  # [N, K_padded]
     scales = np.asarray(scales, dtype=np.float32)
     n, groups = scales.shape
     acc = np.zeros((int(np.prod(lead, dtype=np.int64)), n), dtype=np.float32)
     if compute == "fp32":
         rows = _padded_rows(a, k, group_size)
-        wq = (codes - offset).astype(np.float32)  # [N, K_padded]
+        wq = q.astype(np.float32)
         for g in range(groups):
             t = np.zeros_like(acc)
             for kk in range(g * group_size, min((g + 1) * group_size, k)):
                 t = _fma32(rows[:, kk : kk + 1], wq[None, :, kk], t)
             acc = _fma32(t, scales[None, :, g], acc)
     else:
-        qa, ascale, bsum = quantize_activations(a, k, group_size)
+        qa, ascale, _ = quantize_activations(a, k, group_size)
         for g in range(groups):
             sl = slice(g * group_size, (g + 1) * group_size)
-            d = qa[:, sl].astype(np.int64) @ codes[:, sl].T.astype(np.int64)
-            d = d - offset * bsum[:, g : g + 1].astype(np.int64)
+            d = qa[:, sl].astype(np.int64) @ q[:, sl].T.astype(np.int64)  # exact: the op's u8 form gives the same
             s = (ascale[:, g : g + 1] * scales[None, :, g]).astype(np.float32)
             acc = _fma32(d.astype(np.float32), s, acc)
     if bias is not None:
@@ -207,9 +216,15 @@ def emulate(
 
 
 def gather(
-    packed: np.ndarray, scales: np.ndarray, indices: np.ndarray, k: int, group_size: int, bits: int = DEFAULT_BITS
+    packed: np.ndarray,
+    scales: np.ndarray,
+    indices: np.ndarray,
+    k: int,
+    group_size: int,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
-    """CimInt4Gather: float32 rows ``scale * (code - 2^(bits-1))`` at ``indices`` (negative counts from the end).
+    """CimInt4Gather: float32 rows ``scale * q(code)`` at ``indices`` (negative counts from the end).
 
     ``packed`` uint8 [rows, K_padded*bits/8] and ``scales`` [rows, groups] are the same
     format as CimInt4MatMul's (row = output channel). Each element is one float32 product, so
@@ -225,7 +240,7 @@ def gather(
     if bad.any():
         raise IndexError(f"index {flat[bad][0]} is outside [{-rows}, {rows - 1}]")
     flat = np.where(flat < 0, flat + rows, flat)
-    q = unpack(packed[flat], bits).astype(np.float32)  # [count, K_padded]
+    q = unpack(packed[flat], bits, grid).astype(np.float32)  # [count, K_padded]
     per_element = np.repeat(scales[flat], group_size, axis=1)
     y = (q * per_element)[:, :k]
     return y.reshape(*indices.shape, k)

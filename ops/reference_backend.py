@@ -37,14 +37,17 @@ from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
 from ..contract import (
+    ATTR_GRID,
     COMPUTE_CONFIG,
     DEFAULT_BITS,
+    DEFAULT_GRID,
     GATHER_OP_TYPE,
     OP_DOMAIN,
     OP_TYPE,
     SUPPORTED_BITS,
     Int4Node,
     check_compute,
+    check_grid,
     is_op_node,
     row_bytes,
     scale_values,
@@ -78,9 +81,10 @@ def run_node(
     node: str,
     bits: int = DEFAULT_BITS,
     gated: str = "",
+    grid: str = DEFAULT_GRID,
 ) -> np.ndarray:
     """What one reference node computes: ``reference.emulate`` (an empty ``bias`` means none), then its gate if any."""
-    y = reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute, bits)
+    y = reference.emulate(a, packed, scales, K, group_size, bias if bias.size else None, compute, bits, grid)
     return reference.gated(y, gated).astype(np.float32) if gated else y
 
 
@@ -112,6 +116,7 @@ def _register_op() -> None:
         "compute": PyCustomOpDef.dt_string,
         "node": PyCustomOpDef.dt_string,
         "gated": PyCustomOpDef.dt_string,
+        "grid": PyCustomOpDef.dt_string,
     }
     onnx_op(op_type=REFERENCE_OP, inputs=[f32, f32, u8, f32, f32], outputs=[f32], attrs=attrs)(_op_body)
 
@@ -192,6 +197,12 @@ def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
         raise ValueError(
             f"{GATHER_OP_TYPE} node '{node.name}': attribute 'bits' is {bits}, expected one of {SUPPORTED_BITS}"
         )
+    grid = next((helper.get_attribute_value(a) for a in node.attribute if a.name == ATTR_GRID), DEFAULT_GRID.encode())
+    grid = grid.decode() if isinstance(grid, bytes) else grid
+    try:
+        check_grid(grid, bits)
+    except ValueError as e:
+        raise ValueError(f"{GATHER_OP_TYPE} node '{node.name}': attribute 'grid': {e}") from None
     packed = _initializer(initializers, node, 0, "packed")
     scales = _initializer(initializers, node, 2, "scales")
     groups = -(-k // group_size)
@@ -214,7 +225,7 @@ def gather_table(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
         )
     supers = None if super_scales is None else super_scales.reshape(rows, -1)
     values = scale_values(scales.reshape(rows, groups), supers)
-    return reference.gather(packed.reshape(rows, -1), values, np.arange(rows), k, group_size, bits)
+    return reference.gather(packed.reshape(rows, -1), values, np.arange(rows), k, group_size, bits, grid)
 
 
 def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.ModelProto:
@@ -276,6 +287,7 @@ def reference_model(model: onnx.ModelProto, compute: str | None = None) -> onnx.
                 compute=compute or w.compute,
                 node=node.name,
                 gated=w.gated or "",
+                grid=w.grid,
             )
         )
     graph.ClearField("node")

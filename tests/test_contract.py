@@ -89,7 +89,7 @@ def test_to_node_then_from_node_gives_the_same_values() -> None:
     node = written.to_node()
     assert (node.op_type, node.domain, node.name) == (OP_TYPE, OP_DOMAIN, "mm")
     # 4 bits: no attribute; not gated: none either; float scales: no super-scales
-    assert {a.name for a in node.attribute} == {a.name for a in ATTRIBUTES} - {"bits", "gated", "super_scales"}
+    assert {a.name for a in node.attribute} == {a.name for a in ATTRIBUTES} - {"bits", "grid", "gated", "super_scales"}
     read = Int4Node.from_node(node)
     got = (read.k, read.n, read.group_size, read.compute, read.inputs, read.outputs)
     assert got == (40, 3, 32, "int8", ("x",), ("y",))

@@ -40,8 +40,13 @@ def outlier_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
 def textbook_gptq(
     w: np.ndarray, h: np.ndarray, group: int, rule: str, damp: float, bits: int = 4
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Optimal-brain-quantization sweep as written in the paper: the full inverse Hessian updated after every column."""
+    """Optimal-brain-quantization sweep as written in the paper: the full inverse Hessian updated after every column.
+
+    Each group's scale by ``rule``, the mse rule weighing channel k's squared error by H[k, k] (at least 1% of
+    the mean diagonal), as the exporter's GPTQ does.
+    """
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    importance = np.maximum(np.diag(h), 0.01 * np.mean(np.diag(h))).astype(np.float32)
     k, n = w.shape
     wt = w.T.astype(np.float64).copy()
     hinv = np.linalg.inv(h + damp * np.mean(np.diag(h)) * np.eye(k))
@@ -49,7 +54,8 @@ def textbook_gptq(
     scales = np.zeros((n, k // group), np.float32)
     for i in range(k):
         if i % group == 0:
-            scales[:, i // group] = group_scales(wt[:, None, i : i + group].astype(np.float32), rule, bits)[:, 0]
+            block = wt[:, None, i : i + group].astype(np.float32)
+            scales[:, i // group] = group_scales(block, rule, bits, weights=importance[i : i + group])[:, 0]
         s = scales[:, i // group].astype(np.float64)
         q[:, i] = np.clip(np.rint(wt[:, i] / np.where(s != 0, s, 1)), lo, hi)
         err = (wt[:, i] - q[:, i] * s) / hinv[i, i]

@@ -173,3 +173,26 @@ def test_auto_without_feeds_is_balanced_up_to_group_32_and_signed_above(rng: np.
     for group, rule in [(16, "balanced"), (32, "balanced"), (64, "signed"), (128, "signed"), (256, "signed")]:
         assert auto_rule(group) == rule
         assert np.array_equal(quantize(w, group, "auto")[1], quantize(w, group, rule)[1]), group
+
+
+@pytest.mark.parametrize(("bits", "grid"), [(4, "uniform"), (3, "uniform"), (3, "normal")])
+def test_weighted_mse_lowers_the_weighted_error(bits: int, grid: str) -> None:
+    # GPTQ passes each input channel's H[k, k]: the mse rule then minimises sum h (w - s q)^2. Its
+    # scales must do better on that objective than the unweighted choice (same candidates), and
+    # weights of one give the unweighted scales exactly.
+    from cim_int4.exporter.scale_rules import group_scales
+
+    from cim_int4.contract import round_to_grid
+
+    rng = np.random.default_rng(7)
+    blocks = rng.standard_normal((300, 2, 32)).astype(np.float32)
+    h = rng.lognormal(0.0, 1.5, (1, 2, 32)).astype(np.float32)
+
+    def weighted_error(s: np.ndarray) -> float:
+        q = round_to_grid(blocks / s[..., None], bits, grid)
+        return float(np.sum(h * (blocks - q * s[..., None]) ** 2))
+
+    plain = group_scales(blocks, "mse", bits, grid)
+    weighted = group_scales(blocks, "mse", bits, grid, h)
+    assert weighted_error(weighted) < 0.97 * weighted_error(plain)
+    np.testing.assert_array_equal(group_scales(blocks, "mse", bits, grid, np.ones_like(h)), plain)

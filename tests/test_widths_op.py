@@ -1,6 +1,6 @@
-"""Every code width and scale dtype (float32, float16, int8 with super-scales) through ONNX Runtime, on every path.
+"""Every code width, grid and scale dtype (float32, float16, int8 with super-scales) through ORT on every path.
 
-CimInt4MatMul (attribute and input forms, both compute modes) against ``reference.emulate(bits=...)``
+CimInt4MatMul (attribute and input forms, both compute modes) against ``reference.emulate(bits=..., grid=...)``
 and CimInt4Gather against ``reference.gather`` (bit for bit); bad widths, scale dtypes and
 shapes refused with one line naming node and attribute. Run under the sanitizer stage of CI too.
 """
@@ -19,13 +19,14 @@ from onnx import TensorProto, helper, numpy_helper
 from cim_int4 import make_session
 from cim_int4.contract import (
     GATHER_OP_TYPE,
+    GRID_BITS,
     OP_DOMAIN,
     OP_TYPE,
     OP_VERSION,
     SUPPORTED_BITS,
     groups_of,
+    levels,
     pack,
-    q_range,
     scale_values,
     supers_of,
 )
@@ -33,6 +34,9 @@ from cim_int4.contract import (
 KERNELS = available_kernels()
 SCALE_DTYPES = (np.float32, np.float16, np.int8)
 SCALE_IDS = ["f32", "f16", "i8"]
+# (bits, grid): every width on the uniform grid, and the widths that have the normal grid on it.
+WIDTHS = [(b, "uniform") for b in SUPPORTED_BITS] + [(b, "normal") for b in GRID_BITS]
+WIDTH_IDS = [f"{b}" if g == "uniform" else f"{b}{g}" for b, g in WIDTHS]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Table:
     packed: np.ndarray
     scales: np.ndarray
     super_scales: np.ndarray | None = None  # int8 scales' float16 super-scales
+    grid: str = "uniform"
 
     @property
     def values(self) -> np.ndarray:
@@ -61,6 +66,7 @@ class Table:
             "N": self.n,
             "group_size": self.group_size,
             "bits": self.bits,
+            **({"grid": self.grid} if self.grid != "uniform" else {}),
             **{name: numpy_helper.from_array(value, name) for name, value in tensors.items()},
             **extra,
         }
@@ -76,27 +82,29 @@ class Table:
         return ["P", "S"] + (["D"] if self.super_scales is not None else [])
 
 
-def table(k: int, n: int, group_size: int, bits: int, scale_dtype: type, seed: int = 0) -> Table:
-    """Random codes covering the whole range of the width (padding q = 0) and signed scales."""
+def table(
+    k: int, n: int, group_size: int, bits: int, scale_dtype: type, seed: int = 0, grid: str = "uniform"
+) -> Table:
+    """Random codes covering the whole range of the width and grid (padding: code 2^(bits-1)) and signed scales."""
     rng = np.random.default_rng([seed, bits, k, n])
-    lo, hi = q_range(bits)
+    lv = levels(bits, grid)
     q = np.zeros((n, groups_of(k, group_size) * group_size), np.int16)
-    q[:, :k] = rng.integers(lo, hi + 1, (n, k))
-    q[0, : min(k, 2)] = (lo, hi)[: min(k, 2)]  # the extreme codes
+    q[:, :k] = lv[rng.integers(0, len(lv), (n, k))]
+    q[0, : min(k, 2)] = (lv[0], lv[-1])[: min(k, 2)]  # the extreme codes
     groups = q.shape[1] // group_size
     if scale_dtype is np.int8:  # int8 over the whole range (-128 too), float16 super-scales of both signs, one zero
         scales = rng.integers(-128, 128, (n, groups)).astype(np.int8)
         supers = (rng.standard_normal((n, supers_of(groups))) * 0.05).astype(np.float16)
         supers[-1, 0] = 0
-        return Table(k, n, group_size, bits, pack(q, bits), scales, supers)
+        return Table(k, n, group_size, bits, pack(q, bits, grid, pad_from=k), scales, supers, grid)
     scales = (rng.standard_normal((n, groups)) * 0.05).astype(scale_dtype)
-    return Table(k, n, group_size, bits, pack(q, bits), scales)
+    return Table(k, n, group_size, bits, pack(q, bits, grid, pad_from=k), scales, grid=grid)
 
 
 def emulated(t: Table, a: np.ndarray, bias: np.ndarray | None, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """The emulation of ``mode`` and a few ulps of each output's magnitude (its fma's rare double rounding)."""
-    want = reference.emulate(a, t.packed, t.values, t.k, t.group_size, bias, mode, t.bits)
-    w = reference.dequantize(t.packed, t.values, t.k, t.group_size, t.bits)
+    want = reference.emulate(a, t.packed, t.values, t.k, t.group_size, bias, mode, t.bits, t.grid)
+    w = reference.dequantize(t.packed, t.values, t.k, t.group_size, t.bits, grid=t.grid)
     mag = np.abs(a.astype(np.float64)) @ np.abs(w) + (0 if bias is None else np.abs(bias))
     return want, 4 * U32 * mag + 1e-37
 
@@ -106,16 +114,19 @@ def run(model: onnx.ModelProto, a: np.ndarray, threads: int = 1) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTH_IDS)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
-def test_widths_match_the_emulation(kernel: str, bits: int, scale_dtype: type, mode: str, monkeypatch) -> None:
+def test_widths_match_the_emulation(
+    kernel: str, width: tuple[int, str], scale_dtype: type, mode: str, monkeypatch
+) -> None:
     monkeypatch.setenv(KERNEL_ENV, kernel)
+    bits, grid = width
     rng = np.random.default_rng(bits)
     # K with a tail in the last group (and one chunk of 16 codes), N off the 16-channel tile
     # and the 64-channel strip; M = 1 (decode) and prefill's row blocks.
     for k, n, group_size in [(32 * 3 + 5, 37, 32), (16, 70, 16), (300, 17, 128), (7, 1, 32), (16 * 17, 20, 16)]:
-        t = table(k, n, group_size, bits, scale_dtype)
+        t = table(k, n, group_size, bits, scale_dtype, grid=grid)
         bias = rng.standard_normal(n).astype(np.float32)
         a = rng.standard_normal((13, k), dtype=np.float32)
         model = op_model(t.attributes(compute=mode, bias=numpy_helper.from_array(bias, "bias")), [["M", k]])
@@ -126,10 +137,10 @@ def test_widths_match_the_emulation(kernel: str, bits: int, scale_dtype: type, m
         assert (err <= tol).all(), f"K={k} N={n} g={group_size}: max error {err.max():.3g}"
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTH_IDS)
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.int8], ids=["f16", "i8"])
-def test_every_path_gives_the_same_bits(bits: int, scale_dtype: type) -> None:
-    t = table(300, 45, 32, bits, scale_dtype)
+def test_every_path_gives_the_same_bits(width: tuple[int, str], scale_dtype: type) -> None:
+    t = table(300, 45, 32, width[0], scale_dtype, grid=width[1])
     a = np.random.default_rng(1).standard_normal((3, 300), dtype=np.float32)
     for mode in ("fp32", "int8"):
         model = op_model(t.attributes(compute=mode), [["M", 300]])
@@ -144,7 +155,7 @@ def test_every_path_gives_the_same_bits(bits: int, scale_dtype: type) -> None:
 def input_form(t: Table, **attrs: object) -> onnx.ModelProto:
     """The same node with codes and scales as constant-initializer inputs (a tied LM head)."""
     node = helper.make_node(OP_TYPE, ["A0", *t.inputs()], ["Y0"], name="head", domain=OP_DOMAIN, K=t.k, N=t.n,
-                            group_size=t.group_size, bits=t.bits, **attrs)
+                            group_size=t.group_size, bits=t.bits, grid=t.grid, **attrs)
     graph = helper.make_graph(
         [node], "head", [helper.make_tensor_value_info("A0", TensorProto.FLOAT, ["m", t.k])],
         [helper.make_tensor_value_info("Y0", TensorProto.FLOAT, None)],
@@ -155,10 +166,10 @@ def input_form(t: Table, **attrs: object) -> onnx.ModelProto:
     )
 
 
-@pytest.mark.parametrize("bits", [8, 3, 4])
+@pytest.mark.parametrize("width", [(8, "uniform"), (3, "uniform"), (4, "uniform"), (3, "normal")], ids=str)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
-def test_table_inputs_equal_the_attribute_form(bits: int, scale_dtype: type) -> None:
-    t = table(96, 40, 32, bits, scale_dtype)
+def test_table_inputs_equal_the_attribute_form(width: tuple[int, str], scale_dtype: type) -> None:
+    t = table(96, 40, 32, width[0], scale_dtype, grid=width[1])
     a = np.random.default_rng(3).standard_normal((2, 96)).astype(np.float32)
     for mode in ("fp32", "int8"):
         want = run(op_model(t.attributes(compute=mode), [["M", 96]]), a)
@@ -168,7 +179,7 @@ def test_table_inputs_equal_the_attribute_form(bits: int, scale_dtype: type) -> 
 
 def gather_model(t: Table) -> onnx.ModelProto:
     node = helper.make_node(GATHER_OP_TYPE, ["P", "ids", *t.inputs()[1:]], ["Y"], name="embed", domain=OP_DOMAIN,
-                            K=t.k, group_size=t.group_size, bits=t.bits)
+                            K=t.k, group_size=t.group_size, bits=t.bits, grid=t.grid)
     graph = helper.make_graph(
         [node], "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
@@ -179,14 +190,15 @@ def gather_model(t: Table) -> onnx.ModelProto:
     )
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTH_IDS)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=SCALE_IDS)
-def test_gather_matches_the_reference_bit_for_bit(bits: int, scale_dtype: type) -> None:
+def test_gather_matches_the_reference_bit_for_bit(width: tuple[int, str], scale_dtype: type) -> None:
+    bits, grid = width
     for k, group_size in [(64, 32), (77, 16), (300, 128), (16 * 17, 16)]:
-        t = table(k, 50, group_size, bits, scale_dtype)
+        t = table(k, 50, group_size, bits, scale_dtype, grid=grid)
         ids = np.array([[49, 0, 7], [-1, 3, 3]], np.int64)
         (y,) = make_session(gather_model(t), threads=1).run(None, {"ids": ids})
-        want = reference.gather(t.packed, t.values, ids, k, group_size, bits)
+        want = reference.gather(t.packed, t.values, ids, k, group_size, bits, grid)
         np.testing.assert_array_equal(y.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
@@ -298,11 +310,12 @@ def test_a_padding_code_other_than_q0_is_refused(bits: int) -> None:
 # --- the reference backend (onnxruntime-extensions) reads the same widths and scale dtypes ---------
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTH_IDS)
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.int8], ids=["f16", "i8"])
-def test_reference_backend_gives_the_library_bits(bits: int, scale_dtype: type) -> None:
+def test_reference_backend_gives_the_library_bits(width: tuple[int, str], scale_dtype: type) -> None:
     pytest.importorskip("onnxruntime_extensions")
-    t = table(100, 20, 32, bits, scale_dtype)
+    bits, grid = width
+    t = table(100, 20, 32, bits, scale_dtype, grid=grid)
     a = np.random.default_rng(4).standard_normal((3, 100)).astype(np.float32)
     for mode in ("fp32", "int8"):
         model = op_model(t.attributes(compute=mode), [["M", 100]])
@@ -313,5 +326,24 @@ def test_reference_backend_gives_the_library_bits(bits: int, scale_dtype: type) 
         assert (np.abs(ours.astype(np.float64) - want) <= tol).all()
     gather = make_session(gather_model(t), threads=1, backend="reference")
     ids = np.array([19, 0, 4], np.int64)
-    want = reference.gather(t.packed, t.values, ids, 100, 32, bits)
+    want = reference.gather(t.packed, t.values, ids, 100, 32, bits, grid)
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0], want)
+
+
+# --- grids: refused where a width has none, and the grid's largest level bounds the scales --------
+
+
+@pytest.mark.parametrize(("bits", "grid", "words"), [(4, "normal", "'bits' 2 or 3"), (3, "lloyd", "expected one of")])
+def test_a_grid_the_width_lacks_is_refused(bits: int, grid: str, words: str) -> None:
+    t = table(64, 8, 32, bits, np.float32)
+    bad = Table(64, 8, 32, bits, t.packed, t.scales, grid=grid)
+    one_line_error(op_model(bad.attributes(), [["M", 64]]), "node 'op0'", "attribute 'grid'", words)
+    one_line_error(gather_model(bad), "node 'embed'", "attribute 'grid'", words)
+
+
+def test_the_normal_grid_bounds_scales_by_its_largest_level() -> None:
+    t = table(64, 8, 32, 3, np.float32)
+    t.scales[3, 1] = np.float32(np.finfo(np.float32).max / 6)  # 4 * |scale| finite, 8 * |scale| not
+    make_session(op_model(t.attributes(), [["M", 64]]), threads=1)  # uniform: largest |q| 4
+    normal = Table(64, 8, 32, 3, t.packed, t.scales, grid="normal")
+    one_line_error(op_model(normal.attributes(), [["M", 64]]), "node 'op0'", "'scales'", "8*|scale|")

@@ -40,7 +40,7 @@ def twin(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in model.graph.node:
         if is_op_node(node) and len(node.input) == 1:
             n = Int4Node.from_node(node)
-            w = dequantize(n.packed, n.scales, n.k, n.group_size, n.bits).astype(np.float32)
+            w = dequantize(n.packed, n.scales, n.k, n.group_size, n.bits, grid=n.grid).astype(np.float32)
             name = f"{node.name}/dequantized"
             new_inits.append(numpy_helper.from_array(w, name))
             y = f"{node.output[0]}/full" if n.gated else node.output[0]  # a gated node: both halves, then its gate
@@ -70,7 +70,9 @@ def twin(model: onnx.ModelProto) -> onnx.ModelProto:
                 scales = scale_values(scales.reshape(rows, -1), super_scales.reshape(rows, -1))
             table = f"{packed_name}/dequantized"
             if table not in {t.name for t in new_inits}:
-                w = dequantize(packed, scales, attrs["K"], attrs.get("group_size", 32), attrs.get("bits", 4))
+                grid = next((a.s.decode() for a in node.attribute if a.name == "grid"), "uniform")
+                bits = attrs.get("bits", 4)
+                w = dequantize(packed, scales, attrs["K"], attrs.get("group_size", 32), bits, grid=grid)
                 new_inits.append(numpy_helper.from_array(w.T.astype(np.float32).copy(), table))  # [rows, K]
             if gather:
                 new_nodes.append(helper.make_node("Gather", [table, node.input[1]], list(node.output), name=node.name))

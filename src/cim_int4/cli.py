@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import NoReturn
 
-from .contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES
+from .contract import COMPUTE_MODES, DEFAULT_COMPUTE, DEFAULT_GROUP_SIZE, GRIDS, SCALE_DTYPES, SUPPORTED_GROUP_SIZES
 from .exporter import (
     DEFAULT_SCALE_RULE,
     SCALE_RULES,
@@ -203,6 +203,13 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         choices=SCALE_DTYPES,
         default=None,
         help=f"stored type of the group scales (default {DEFAULT_SCALE_DTYPE})",
+    )
+    p.add_argument(
+        "--grid",
+        choices=GRIDS,
+        default=None,
+        help="what the codes of 2- and 3-bit layers stand for: uniform steps (default) or normal, Gaussian levels "
+        "(3 bits: -8 -5 -3 -1 1 3 5 8), for rotated weights (docs/widths.md)",
     )
     p.add_argument(
         "--rotate",

@@ -11,6 +11,9 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
 * ``K``, ``N`` (int >= 1) and ``group_size`` (one of ``SUPPORTED_GROUP_SIZES``; absent = 32):
   ``y[..., N] = a[..., K] @ W[K, N]`` with ``groups = ceil(K / group_size)`` scale groups along K.
 * ``bits`` (optional int, one of ``SUPPORTED_BITS``; absent = 4): the code width b.
+* ``grid`` (optional string, one of ``GRIDS``; absent = ``"uniform"``): what a code stands for. ``uniform``:
+  code c is ``q = c - 2^(b-1)``; ``normal`` (widths ``GRID_BITS`` only): ``q = NORMAL_LEVELS_<b>[c]``, a
+  fixed non-uniform set of integers near a Gaussian's Lloyd-Max levels (``levels`` gives either).
 * ``packed`` uint8 ``[N, groups * group_size * b / 8]``: row n holds channel n along K as one
   little-endian bit stream, element k in bits ``k*b .. k*b + b-1`` (least significant bit first),
   stored as the code ``q + 2^(b-1)`` (0 .. 2^b - 1); padding codes beyond K are ``2^(b-1)``
@@ -28,7 +31,7 @@ The node (docs/contract.md has the full table, pinned to ``ATTRIBUTES`` by a tes
   projection (codes, scales and bias in that order), and the node outputs ``N/2`` channels,
   ``y = act(a @ W[:, :N/2]) * (a @ W[:, N/2:])`` (act by ``GATED_FORMULAS``).
 
-Dequantized, ``W[k, n] = scale(n, k // group_size) * (code(n, k) - 2^(b-1))``, the scale
+Dequantized, ``W[k, n] = scale(n, k // group_size) * q(code(n, k))``, q by the grid (``c - 2^(b-1)``), the scale
 ``float32(scales[n, g])`` (float32 or float16) or the int8 product above.
 
 In Python a node's ``scales`` are always the values (float32 or float16 arrays; float32 for int8
@@ -45,6 +48,9 @@ How to grow it (each is rows/fields here, then the code that uses them):
   ``Int4Node.from_node`` checks the attribute form (``OPS``).
 * **A bit width**: add it to ``SUPPORTED_BITS``; ``pack``/``unpack`` and the shapes in
   ``Int4Node`` follow ``bits`` (the bit stream above holds any width up to 8).
+* **A grid** (what codes stand for): add its name to ``GRIDS`` and its levels per width
+  (``<NAME>_LEVELS_<b>``, integers ascending within +-2^b, read by CMake) to ``levels``; the op's
+  level tables (kernel.h's ``CodeLevels``, ``make_levels`` in repack.cpp) cover widths up to 3.
 * **A scale dtype**: add it to ``SCALE_DTYPES`` (the ``scales`` row lists them); one that needs a
   second tensor (int8: ``super_scales``) encodes in ``Int4Node.attributes`` and decodes in
   ``from_node``, so that ``scales`` stay values everywhere else.
@@ -74,6 +80,14 @@ DEFAULT_GROUP_SIZE = 32
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_BITS = 4
 SCALE_DTYPES = ("float32", "float16", "int8")
+# What a code stands for (attribute ``grid``): ``uniform`` q = code - 2^(b-1); ``normal`` q = NORMAL_LEVELS_<b>[code],
+# integers near the Lloyd-Max levels of a Gaussian (3 bits: +-0.245, 0.756, 1.344, 2.152 times 3.72), for
+# rotated weights (docs/widths.md); levels within +-2^b, so int8 mode's u8 codes q + max stay under 2^(b+1).
+GRIDS = ("uniform", "normal")
+DEFAULT_GRID = "uniform"
+GRID_BITS = (2, 3)
+NORMAL_LEVELS_2 = (-3, -1, 1, 3)
+NORMAL_LEVELS_3 = (-8, -5, -3, -1, 1, 3, 5, 8)
 # int8 scales: each group's scale is int8 q times the float16 super-scale d of its super-block of
 # SUPER_GROUPS groups (attribute ``super_scales``) over INT8_SCALE_ONE: float32(q) * (float32(d) / 128),
 # exact in float32 (a power of two, and an int8 times a float16).
@@ -95,6 +109,7 @@ ATTR_SUPER_SCALES = "super_scales"
 ATTR_BIAS = "bias"
 ATTR_COMPUTE = "compute"
 ATTR_GATED = "gated"
+ATTR_GRID = "grid"
 
 
 def check_compute(compute: str, what: str = "compute") -> str:
@@ -121,6 +136,49 @@ def check_bits(bits: int) -> int:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     return bits
+
+
+def check_grid(grid: str, bits: int = DEFAULT_BITS) -> str:
+    """``grid`` if codes of ``bits`` bits may stand for it (GRIDS; ``normal`` at GRID_BITS only), else ValueError."""
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    if grid != "uniform" and bits not in GRID_BITS:
+        raise ValueError(f"grid {grid!r} is for bits {GRID_BITS}, got bits={bits}")
+    return grid
+
+
+def grid_of(grid: str, bits: int) -> str:
+    """The grid a layer of ``bits`` bits gets when an export asks for ``grid``: it if the width has it, else uniform."""
+    return grid if grid == "uniform" or bits in GRID_BITS else "uniform"
+
+
+_NORMAL_LEVELS = {2: NORMAL_LEVELS_2, 3: NORMAL_LEVELS_3}
+
+
+def levels(bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID) -> np.ndarray:
+    """int16 [2^bits]: the q each code stands for (sorted ascending; uniform: ``code - 2^(bits-1)``)."""
+    check_grid(grid, check_bits(bits))
+    if grid == "normal":
+        return np.array(_NORMAL_LEVELS[bits], dtype=np.int16)
+    return np.arange(1 << bits, dtype=np.int16) - code_offset(bits)
+
+
+def max_level(bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID) -> int:
+    """The largest ``|q|`` of a grid (``2^(bits-1)`` uniform): the op needs ``max_level * |scale|`` finite."""
+    return int(np.abs(levels(bits, grid)).max())
+
+
+def round_to_grid(x: np.ndarray, bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID) -> np.ndarray:
+    """The q nearest each ``x`` (in steps of the scale), as float32: uniform ``clip(rint(x))`` (half to even),
+    otherwise the nearest level (a tie goes to the level nearer zero)."""
+    if grid == "uniform":
+        return np.clip(np.rint(x), *q_range(bits)).astype(np.float32, copy=False)
+    lv = levels(bits, grid).astype(np.float32)
+    mid = (lv[1:] + lv[:-1]) / 2
+    x = np.asarray(x, dtype=np.float32)
+    # searchsorted puts x == mid on the left level; flip the sign test for positive mids so ties go inward.
+    idx = np.where(x >= 0, np.searchsorted(mid, x, side="left"), np.searchsorted(mid, x, side="right"))
+    return lv[idx]
 
 
 def code_offset(bits: int = DEFAULT_BITS) -> int:
@@ -253,21 +311,32 @@ def unpack_codes(packed: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
     return codes[:, :count].astype(np.uint8)
 
 
-def pack(q: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
-    """Pack signed ``q`` [N, K_padded] (``q_range(bits)``) as codes ``q + 2^(bits-1)`` in the contract's bit order."""
-    check_bits(bits)
+def pack(q: np.ndarray, bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID, pad_from: int | None = None) -> np.ndarray:
+    """Pack signed ``q`` [N, K_padded] (levels of ``grid``: ``q_range(bits)`` uniform) as their codes in the contract's
+    bit order; columns from ``pad_from`` on (the padding past K) are written as the padding code ``2^(bits-1)``."""
+    check_grid(grid, check_bits(bits))
     q = np.asarray(q)
     if q.ndim != 2 or q.shape[1] * bits % 8:
         raise ValueError(f"q must be [N, K_padded] with K_padded*{bits} a multiple of 8, got shape {q.shape}")
-    lo, hi = q_range(bits)
-    if q.size and (q.min() < lo or q.max() > hi):
-        raise ValueError(f"q values must lie in {lo}..{hi}")
-    return pack_codes(q.astype(np.int16) + code_offset(bits), bits)
+    live = q[:, :pad_from]  # the padding's q (if pad_from is given) are not read
+    if grid == "uniform":
+        lo, hi = q_range(bits)
+        if live.size and (live.min() < lo or live.max() > hi):
+            raise ValueError(f"q values must lie in {lo}..{hi}")
+        codes = np.clip(q.astype(np.int16), lo, hi) + code_offset(bits)
+    else:
+        lv = levels(bits, grid)
+        codes = np.searchsorted(lv, q).clip(0, len(lv) - 1)
+        if live.size and not np.array_equal(lv[codes[:, :pad_from]], live):
+            raise ValueError(f"q values must be levels of grid {grid!r}: {lv.tolist()}")
+    if pad_from is not None:
+        codes[:, pad_from:] = code_offset(bits)
+    return pack_codes(codes, bits)
 
 
-def unpack(packed: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
-    """Signed ``q`` of ``packed`` uint8 [N, B] as int8 [N, B*8/bits]."""
-    return (unpack_codes(packed, bits).astype(np.int16) - code_offset(bits)).astype(np.int8)
+def unpack(packed: np.ndarray, bits: int = DEFAULT_BITS, grid: str = DEFAULT_GRID) -> np.ndarray:
+    """Signed ``q`` of ``packed`` uint8 [N, B] (the levels its codes stand for under ``grid``) as int8 [N, B*8/bits]."""
+    return levels(bits, grid)[unpack_codes(packed, bits)].astype(np.int8)
 
 
 # --- the node's attributes ---------------------------------------------------------------------
@@ -302,8 +371,17 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         meaning=f"code width b, one of {', '.join(map(str, SUPPORTED_BITS))}",
     ),
     Attribute(
+        ATTR_GRID,
+        "string",
+        required=False,
+        default=DEFAULT_GRID,
+        meaning=f"what a code stands for, one of {', '.join(GRIDS)}: uniform q = code - 2^(b-1); normal (b = "
+        f"{' or '.join(map(str, GRID_BITS))}) q = the code's level, 2 bits {list(NORMAL_LEVELS_2)}, 3 bits "
+        f"{list(NORMAL_LEVELS_3)}",
+    ),
+    Attribute(
         ATTR_PACKED, "tensor", ("uint8",), "[N, groups * group_size * b / 8]",
-        meaning="codes q + 2^(b-1), each row a little-endian bit stream",
+        meaning="codes (uniform grid: q + 2^(b-1)), each row a little-endian bit stream",
     ),
     Attribute(ATTR_SCALES, "tensor", SCALE_DTYPES, "[N, groups]", meaning="one scale per output channel and group"),
     Attribute(
@@ -346,18 +424,18 @@ class OpSpec:
 
 MATMUL = OpSpec(
     OP_TYPE, ("A",), ("Y",),
-    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_PACKED, ATTR_SCALES, ATTR_SUPER_SCALES, ATTR_BIAS, ATTR_COMPUTE,
-     ATTR_GATED),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_GRID, ATTR_PACKED, ATTR_SCALES, ATTR_SUPER_SCALES, ATTR_BIAS,
+     ATTR_COMPUTE, ATTR_GATED),
 )
 OPS: Mapping[str, OpSpec] = {MATMUL.op_type: MATMUL}
 # The same codes and scales read as constant-initializer inputs instead of attributes, so that an
 # embedding table (CimInt4Gather) and the LM head tied to it hold one copy (docs/embeddings.md).
 MATMUL_SHARED = OpSpec(
     OP_TYPE, ("A", ATTR_PACKED, ATTR_SCALES), ("Y",),
-    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_BIAS, ATTR_COMPUTE), (ATTR_SUPER_SCALES,),
+    (ATTR_K, ATTR_N, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_GRID, ATTR_BIAS, ATTR_COMPUTE), (ATTR_SUPER_SCALES,),
 )
 GATHER = OpSpec(
-    GATHER_OP_TYPE, (ATTR_PACKED, "indices", ATTR_SCALES), ("Y",), (ATTR_K, ATTR_GROUP_SIZE, ATTR_BITS),
+    GATHER_OP_TYPE, (ATTR_PACKED, "indices", ATTR_SCALES), ("Y",), (ATTR_K, ATTR_GROUP_SIZE, ATTR_BITS, ATTR_GRID),
     (ATTR_SUPER_SCALES,),
 )
 
@@ -372,9 +450,9 @@ def is_op_node(node: onnx.NodeProto, op: OpSpec = MATMUL) -> bool:
 class Int4Node:
     """One node's contract values: ``to_node()`` writes the node, ``from_node()`` reads and checks one.
 
-    ``compute=None`` writes no ``compute`` attribute (the op then computes in ``"fp32"``), and
-    ``bits=4`` no ``bits`` attribute (4 is its default); ``from_node`` fills in the defaults, so a
-    read node always has ``group_size``, ``bits`` and ``compute``. ``gated`` (an activation of
+    ``compute=None`` writes no ``compute`` attribute (the op then computes in ``"fp32"``), ``bits=4`` no
+    ``bits`` attribute (4 is its default) and the uniform ``grid`` no ``grid``; ``from_node`` fills in the
+    defaults, so a read node always has ``group_size``, ``bits``, ``grid`` and ``compute``. ``gated`` (an activation of
     GATED_ACTIVATIONS, else None): ``n`` counts both halves, the node outputs ``outputs_n``.
     ``super_scales`` (float16, else None): the node stores its ``scales`` (then float32 values of
     ``scale_values``) as int8 with these super-scales.
@@ -394,6 +472,7 @@ class Int4Node:
     bits: int = DEFAULT_BITS
     gated: str | None = None
     super_scales: np.ndarray | None = field(default=None, repr=False)
+    grid: str = DEFAULT_GRID
 
     @property
     def groups(self) -> int:
@@ -422,8 +501,9 @@ class Int4Node:
     def attributes(self) -> dict[str, object]:
         """The node's attributes as ``helper.make_node`` keywords (tensors as TensorProtos named as the attribute)."""
         values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
-                  ATTR_PACKED: self.packed, ATTR_SCALES: self.stored_scales, ATTR_SUPER_SCALES: self.super_scales,
-                  ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute, ATTR_GATED: self.gated}
+                  ATTR_GRID: _grid_value(self.grid, self.bits), ATTR_PACKED: self.packed,
+                  ATTR_SCALES: self.stored_scales, ATTR_SUPER_SCALES: self.super_scales, ATTR_BIAS: self.bias,
+                  ATTR_COMPUTE: self.compute, ATTR_GATED: self.gated}
         return _attributes(self.op, values)
 
     def to_node(self) -> onnx.NodeProto:
@@ -452,6 +532,7 @@ class Int4Node:
             raise ValueError(f"{where}attribute 'group_size' is {group_size}, expected one of {SUPPORTED_GROUP_SIZES}")
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"{where}attribute 'bits' is {bits}, expected one of {SUPPORTED_BITS}")
+        grid = _grid(values, op, bits, where)
         compute = values.get(ATTR_COMPUTE, DEFAULT_COMPUTE.encode())
         compute = compute.decode() if isinstance(compute, bytes) else compute
         if compute not in COMPUTE_MODES:
@@ -482,18 +563,17 @@ class Int4Node:
         if np.any(padding != offset):
             row, col = np.argwhere(padding != offset)[0]
             raise ValueError(f"{where}attribute 'packed': padding code at row {row}, k={k + col} is not {offset}")
+        top = max_level(bits, grid)
         with np.errstate(over="ignore", invalid="ignore"):
-            bad = ~np.isfinite(np.float32(offset) * np.abs(scales.astype(np.float32)))
+            bad = ~np.isfinite(np.float32(top) * np.abs(scales.astype(np.float32)))
         if np.any(bad):
             row, col = np.argwhere(bad)[0]
-            raise ValueError(
-                f"{where}attribute 'scales': [{row}, {col}] is not finite with {offset}*|scale| finite"
-            )
+            raise ValueError(f"{where}attribute 'scales': [{row}, {col}] is not finite with {top}*|scale| finite")
         if bias is not None and not np.all(np.isfinite(bias)):
             raise ValueError(f"{where}attribute 'bias': index {np.argwhere(~np.isfinite(bias))[0][0]} is not finite")
         return cls(
             node.name, tuple(node.input), tuple(node.output), k, n, group_size, packed, scales, bias, compute, op,
-            bits, gated, super_scales,
+            bits, gated, super_scales, grid,
         )
 
 
@@ -517,6 +597,7 @@ class SharedInt4Node:
     bias: np.ndarray | None = field(default=None, repr=False)
     compute: str | None = None
     bits: int = DEFAULT_BITS
+    grid: str = DEFAULT_GRID
 
     def to_node(self) -> onnx.NodeProto:
         """The ONNX node (domain OP_DOMAIN)."""
@@ -524,13 +605,28 @@ class SharedInt4Node:
             expected = self.op.inputs + tuple(f"[{name}]" for name in self.op.optional_inputs)
             raise ValueError(f"{self.op.op_type} node '{self.name}' takes inputs {expected}, got {self.inputs}")
         values = {ATTR_K: self.k, ATTR_N: self.n, ATTR_GROUP_SIZE: self.group_size, ATTR_BITS: _bits_value(self.bits),
-                  ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute}
+                  ATTR_GRID: _grid_value(self.grid, self.bits), ATTR_BIAS: self.bias, ATTR_COMPUTE: self.compute}
         return _make_node(self.op, self.name, self.inputs, self.outputs, _attributes(self.op, values))
 
 
 def _bits_value(bits: int) -> int | None:
     """The ``bits`` attribute to write: none for the default width, so int4 nodes stay as they always were."""
     return None if check_bits(bits) == DEFAULT_BITS else bits
+
+
+def _grid_value(grid: str, bits: int) -> str | None:
+    """The ``grid`` attribute to write: none for the uniform grid, so nodes without a grid stay as they always were."""
+    return None if check_grid(grid, bits) == DEFAULT_GRID else grid
+
+
+def _grid(values: dict[str, object], op: OpSpec, bits: int, where: str) -> str:
+    grid = values.get(ATTR_GRID, DEFAULT_GRID.encode())
+    grid = grid.decode() if isinstance(grid, bytes) else grid
+    if ATTR_GRID not in op.attributes or grid not in GRIDS:
+        raise ValueError(f"{where}attribute 'grid' is {grid!r}, expected one of {GRIDS}")
+    if grid != DEFAULT_GRID and bits not in GRID_BITS:
+        raise ValueError(f"{where}attribute 'grid' is {grid!r}, which needs 'bits' one of {GRID_BITS}, got {bits}")
+    return grid
 
 
 def _attributes(op: OpSpec, values: Mapping[str, object]) -> dict[str, object]:

@@ -70,7 +70,7 @@ def allowed_difference(
 ) -> np.ndarray:
     """Elementwise bound [M, N] on |native - reference| of one layer (see the module doc); ``y`` is either output."""
     k, g = w.k, w.group_size
-    absw = np.abs(reference.dequantize(w.packed, w.scales, k, g))  # [K, N]
+    absw = np.abs(reference.dequantize(w.packed, w.scales, k, g, w.bits, grid=w.grid))  # [K, N]
     a_n = np.asarray(a_native, np.float64).reshape(-1, k)
     a_r = np.asarray(a_reference, np.float64).reshape(-1, k)
     delta = np.abs(a_n - a_r)
@@ -138,7 +138,7 @@ def crosscheck(
         if w.gated:
             # The bound of the full product (both halves, from the reference's own input), carried through the gate.
             a_ref = runs["reference"][a]
-            full = reference.emulate(a_ref, w.packed, w.scales, w.k, w.group_size, w.bias, mode, w.bits)
+            full = reference.emulate(a_ref, w.packed, w.scales, w.k, w.group_size, w.bias, mode, w.bits, w.grid)
             full = full.reshape(-1, w.n)
             allowed = reference.gated_bound(full, allowed_difference(w, mode, runs["native"][a], a_ref, full), w.gated)
         else:

@@ -28,12 +28,16 @@ from onnx import helper, numpy_helper
 
 from .contract import (
     COMPUTE_CONFIG,
+    DEFAULT_BITS,
     DEFAULT_COMPUTE,
+    DEFAULT_GRID,
     DEFAULT_GROUP_SIZE,
     OP_DOMAIN,
     OP_TYPE,
     check_compute,
     is_op_node,
+    levels,
+    max_level,
     scale_values,
 )
 from .exporter import gated
@@ -171,7 +175,15 @@ def _attr(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
 
 
 def expected(
-    a: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, g: int, bias: np.ndarray | None, compute: str
+    a: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    g: int,
+    bias: np.ndarray | None,
+    compute: str,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the node should output for ``a`` (float64) and a worst-case bound of its rounding, elementwise.
 
@@ -182,27 +194,28 @@ def expected(
       per group the exact integer ``d`` times ``as * s``. Summing G groups in any order and
       rounding ``as * s`` and the result stay within ``(G + 3) u sum|d as s|``. A kernel
       whose ``a * 127 / amax`` lands on the other side of a rounding tie (a last-bit
-      difference, ~2**-17 per element) moves one code of one element: ``8 as |s|`` of its
-      group, allowed once per row.
+      difference, ~2**-17 per element) moves one code of one element: ``top as |s|`` of its
+      group (top: the grid's largest ``|q|``, 8 at 4 bits), allowed once per row.
     """
     rows = np.asarray(a, dtype=np.float32).reshape(-1, k)
     if compute == "int8":
         qa, ascale, bsum = reference.quantize_activations(rows, k, g)
-        codes = reference.unpack(packed).astype(np.int64) + 8  # [N, K_padded]
+        q = reference.unpack(packed, bits, grid).astype(np.int64)  # [N, K_padded]
+        top = max_level(bits, grid)
         scales64 = np.asarray(scales, dtype=np.float64)
         y = np.zeros((rows.shape[0], scales.shape[0]))
         mag = np.zeros_like(y)
         tie = np.zeros_like(y)
         for j in range(scales.shape[1]):
             sl = slice(j * g, (j + 1) * g)
-            d = qa[:, sl].astype(np.int64) @ codes[:, sl].T - 8 * bsum[:, j : j + 1].astype(np.int64)
+            d = qa[:, sl].astype(np.int64) @ q[:, sl].T
             step = ascale[:, j : j + 1].astype(np.float64) * scales64[None, :, j]
             y += d * step
             mag += np.abs(d * step)
-            tie = np.maximum(tie, 8 * np.abs(step))
+            tie = np.maximum(tie, top * np.abs(step))
         bound = (scales.shape[1] + 3) * U32 * mag + tie
     else:
-        w = reference.dequantize(packed, scales, k, g)
+        w = reference.dequantize(packed, scales, k, g, bits, grid=grid)
         y = rows.astype(np.float64) @ w
         bound = (k + 2) * U32 * (np.abs(rows.astype(np.float64)) @ np.abs(w))
     if bias is not None:
@@ -211,21 +224,33 @@ def expected(
     return y.reshape(*a.shape[:-1], -1), SAFETY * bound.reshape(*a.shape[:-1], -1)
 
 
-def code_steps(w: np.ndarray, packed: np.ndarray, scales: np.ndarray, k: int, g: int) -> float:
+def code_steps(
+    w: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    g: int,
+    bits: int = DEFAULT_BITS,
+    grid: str = DEFAULT_GRID,
+) -> float:
     """Largest distance, in steps of its group's scale, of a code from the FP32 weight ``w`` [K, N] it stands for.
 
-    Round to nearest gives <= 0.5; a weight beyond the grid's end that maps to code -8 or 7
-    counts 0. Groups with scale 0 must hold zero weights (else: inf).
+    A step is the gap between the code's level and the next one towards the weight (the scale on the
+    uniform grid). Round to nearest gives <= 0.5; a weight beyond the grid's end that maps to its first
+    or last level counts 0. Groups with scale 0 must hold zero weights (else: inf).
     """
-    q = reference.unpack(packed)[:, :k].T.astype(np.float64)  # [K, N]
+    lv = levels(bits, grid).astype(np.float64)
+    q = reference.unpack(packed, bits, grid)[:, :k].T.astype(np.float64)  # [K, N]
     s = np.repeat(np.asarray(scales, np.float64), g, axis=1)[:, :k].T
     w = np.asarray(w, np.float64)
     zero = s == 0
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(zero, 0.0, w / np.where(zero, 1.0, s))
-    dist = np.abs(t - q)
-    dist = np.where(((q == 7) & (t > 7)) | ((q == -8) & (t < -8)), 0.0, dist)
-    dist = np.where(zero, np.where((w == 0) & (q == 0), 0.0, np.inf), dist)
+    at = np.searchsorted(lv, q)
+    up = np.where(at + 1 < len(lv), lv[np.minimum(at + 1, len(lv) - 1)] - q, np.inf)  # gap to the next level up
+    down = np.where(at > 0, q - lv[np.maximum(at - 1, 0)], np.inf)
+    dist = np.abs(t - q) / np.where(t > q, up, down)  # beyond the end: a gap of inf, 0 steps
+    dist = np.where(zero, np.where(w == 0, 0.0, np.inf), dist)
     return float(dist.max()) if dist.size else 0.0
 
 
@@ -303,7 +328,10 @@ def check_layer(
         group = _attr(node, "group_size")
         k, g = int(_attr(node, "K").i), int(group.i) if group else DEFAULT_GROUP_SIZE
         check_compute(compute, "attribute compute")
-        want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute)
+        bits = int(attrs.get("bits", DEFAULT_BITS))
+        grid = attrs.get("grid", DEFAULT_GRID.encode())
+        grid = grid.decode() if isinstance(grid, bytes) else grid
+        want, bound = expected(a, arrays["packed"], arrays["scales"], k, g, arrays.get("bias"), compute, bits, grid)
         gated = attrs.get("gated")
         if gated is not None:  # a gated MLP: both halves' bounds, carried through the activation
             gated = gated.decode() if isinstance(gated, bytes) else gated
@@ -317,7 +345,7 @@ def check_layer(
         operands = _fp32_gated_operands(fp32, node.output[0])
     if operands is not None and operands[0].shape == (k, int(_attr(node, "N").i)):
         w, bias = operands
-        steps = code_steps(w, arrays["packed"], arrays["scales"], k, g)
+        steps = code_steps(w, arrays["packed"], arrays["scales"], k, g, bits, grid)
         if (bias is None) != ("bias" not in arrays) or (
             bias is not None and not np.allclose(bias, arrays["bias"], rtol=1e-6, atol=0)
         ):

@@ -38,6 +38,10 @@ void gather_rows(const Int4Table& t, const int64_t* rows, int64_t begin, int64_t
         gather_group_4bit(codes, scale, k0, k1, y);
         continue;
       }
+      if (t.bits <= kLevelBits) {
+        for (int64_t k = k0; k < k1; ++k) y[k] = scale * static_cast<float>(t.levels.q[attribute_code(codes, k, t.bits)]);
+        continue;
+      }
       for (int64_t k = k0; k < k1; ++k) y[k] = scale * static_cast<float>(attribute_code(codes, k, t.bits) - offset);
     }
   }

@@ -5,11 +5,14 @@
 // codes q + 2^(bits-1); `scales` float32, float16 or int8 [rows, groups] (int8: times the
 // float16 `super_scales` [rows, ceil(groups / kSuperGroups)] / 128, an exact product). Row r
 // dequantizes to
-//   y[k] = scale(r, k / group_size) * float(code(r, k) - 2^(bits-1))   (k < K)
+//   y[k] = scale(r, k / group_size) * float(q(code(r, k)))   (k < K)
+// with q = code - 2^(bits-1) on the uniform grid, else the code's level (kernel.h's CodeLevels),
 // one float32 product, so it is exact to the last bit against the NumPy reference.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/kernel.h"
 
 namespace cim {
 
@@ -19,6 +22,7 @@ struct Int4Table {
   int scale_type = 0;               // kScaleF32
   const uint16_t* super_scales = nullptr;  // int8 scales: float16 bits [rows, ceil(groups / kSuperGroups)]
   int bits = 4;
+  CodeLevels levels;  // what each code stands for (make_levels)
   int64_t rows = 0;
   int64_t K = 0;  // row width after dequantization
   int64_t group_size = 0;

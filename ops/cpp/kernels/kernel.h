@@ -94,11 +94,31 @@ constexpr int64_t block_bytes_of(int bits, int64_t group_size, int scale_type) {
   return group_size / chunk_codes(group_size) * chunk_bytes(bits, group_size) + kTileN * scale_size_of(scale_type);
 }
 
-// How many dot4 steps of codes of `bits` bits (u8 codes up to 2^bits - 1 times s8
+// Widths whose codes go through a 16-entry level table (CodeLevels below).
+constexpr int kLevelBits = 3;
+// The largest u8 value int8 mode multiplies for codes of `bits` bits: 2^bits - 1, or
+// 2^(bits+1) where a level table may hold a grid's levels (within +-2^bits) plus its zero.
+constexpr int max_u(int bits) { return bits <= kLevelBits ? (2 << bits) : (1 << bits) - 1; }
+
+// How many dot4 steps of codes of `bits` bits (u8 values up to max_u(bits) times s8
 // activations in [-127, 127]) an int16 pair sum takes before it could pass 32767
 // (vpmaddubsw without VNNI, simd_avx2.h's pair_dot): 8 for 4-bit codes; 0 for 8-bit codes,
 // whose one step can already saturate.
-constexpr int pair_steps(int bits) { return bits >= 8 ? 0 : 32767 / (2 * 127 * ((1 << bits) - 1)); }
+constexpr int pair_steps(int bits) { return bits >= 8 ? 0 : 32767 / (2 * 127 * max_u(bits)); }
+
+// What a code stands for (the `grid` attribute). Widths up to kLevelBits look each code up in a
+// 16-entry table (one byte shuffle per vector): fp32 mode the signed level q, int8 mode the
+// unsigned u = q + zero that vpdpbusd takes, with the group's dot starting at -zero * sum(qa).
+// The uniform grid's tables are q = code - 2^(b-1), u = code, zero = 2^(b-1), so its kernels
+// give the bits they always gave. A grid's levels lie within +-2^b, so u <= max_u(b).
+struct CodeLevels {
+  alignas(16) int8_t q[16] = {};
+  alignas(16) uint8_t u[16] = {};
+  int32_t zero = 8;
+};
+// The levels of grid `grid` (0 uniform, 1 normal: the contract's kGrids order) for `bits`
+// bits; false for a grid that width does not have.
+bool make_levels(int bits, int grid, CodeLevels* out);
 
 struct PackedWeights {
   int64_t K = 0;
@@ -108,6 +128,7 @@ struct PackedWeights {
   int64_t tiles = 0;        // ceil(N / 16)
   int64_t block_bytes = 0;  // block_bytes_of(bits, group_size, scale_type)
   int bits = 4;             // code width b
+  CodeLevels levels;        // what each code stands for (make_levels)
   int scale_type = kScaleF32;  // how the blocks store their scales (ScaleType)
   // Bytes of one tile's super-scale record (int8 scales: 16 float16, zero past N; else 0).
   int64_t super_bytes = 0;
@@ -160,6 +181,11 @@ CodeSpot code_spot(int bits, int64_t group_size, int64_t c, int64_t j);
 // in block (tile, group).
 int code_in_block(const PackedWeights& w, const uint8_t* block, int64_t c, int64_t j);
 float scale_of(const PackedWeights& w, int64_t tile, int64_t group, int64_t c);
+// The signed q a code stands for (fp32 mode), and the u8 value int8 mode multiplies (q + levels.zero).
+inline int q_of(const PackedWeights& w, int code) {
+  return w.bits <= kLevelBits ? w.levels.q[code] : code - (1 << (w.bits - 1));
+}
+inline int u_of(const PackedWeights& w, int code) { return w.bits <= kLevelBits ? w.levels.u[code] : code; }
 // float16 bits to float32, exactly (every float16 is a float32), without compiler support for _Float16.
 float half_to_float(uint16_t h);
 

@@ -104,7 +104,6 @@ void for_each_output(const MatMulArgs& args, int64_t tile_begin, int64_t tile_en
 
 void matmul_fp32_portable(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
   const PackedWeights& w = *args.W;
-  const int offset = 1 << (w.bits - 1);
   for_each_output(args, tile_begin, tile_end, [&](int64_t t, int64_t c, int64_t m) {
     const float* a = args.A + m * args.lda;
     float acc = 0.0f;
@@ -113,7 +112,7 @@ void matmul_fp32_portable(const MatMulArgs& args, int64_t tile_begin, int64_t ti
       const int64_t k0 = g * w.group_size;
       float sum = 0.0f;
       for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
-        sum = std::fma(read_float(a + k0 + j), static_cast<float>(code_in_block(w, block, c, j) - offset), sum);
+        sum = std::fma(read_float(a + k0 + j), static_cast<float>(q_of(w, code_in_block(w, block, c, j))), sum);
       }
       acc = std::fma(sum, scale_of(w, t, g, c), acc);
     }
@@ -125,14 +124,13 @@ void matmul_int8_portable(const MatMulArgs& args, int64_t tile_begin, int64_t ti
   const PackedWeights& w = *args.W;
   const QuantizedA& qa = *args.QA;
   const int64_t k_padded = w.groups * w.group_size;
-  const int32_t offset = int32_t(1) << (w.bits - 1);
   for_each_output(args, tile_begin, tile_end, [&](int64_t t, int64_t c, int64_t m) {
     float acc = 0.0f;
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* block = w.block(t, g);
       const int8_t* q = qa.q + m * k_padded + g * w.group_size;
-      int32_t dot = -offset * qa.qsum[m * w.groups + g];
-      for (int64_t j = 0; j < w.group_size; ++j) dot += int32_t(q[j]) * code_in_block(w, block, c, j);
+      int32_t dot = -w.levels.zero * qa.qsum[m * w.groups + g];
+      for (int64_t j = 0; j < w.group_size; ++j) dot += int32_t(q[j]) * u_of(w, code_in_block(w, block, c, j));
       const float scale = qa.scale[m * w.groups + g] * scale_of(w, t, g, c);
       acc = std::fma(static_cast<float>(dot), scale, acc);
     }
@@ -195,14 +193,13 @@ void recompute_nonfinite(const MatMulArgs& args, int64_t tile_begin, int64_t til
       }
       if (has_nan) continue;  // every output of the row is NaN in exact arithmetic too
       const int64_t t = n / kTileN, c = n % kTileN;
-      const int offset = 1 << (w.bits - 1);
       double sum = 0.0;
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* block = w.block(t, g);
         const double scale = scale_of(w, t, g, c);
         const int64_t k0 = g * w.group_size;
         for (int64_t j = 0; j < w.group_size && k0 + j < w.K; ++j) {
-          sum += double(read_float(a + k0 + j)) * (double(code_in_block(w, block, c, j) - offset) * scale);
+          sum += double(read_float(a + k0 + j)) * (double(q_of(w, code_in_block(w, block, c, j))) * scale);
         }
       }
       if (w.bias != nullptr) sum += w.bias[n];

@@ -1,8 +1,10 @@
 // The inner loops of one group for code widths other than 4 (2, 3, 5, 6, 8): the planes
 // of kernel.h's layout unpacked a quad of codes at a time (lane c, byte b: the code of
 // k = 4Q + b of a chunk), then the same arithmetic as the 4-bit loops of tile_kernels.h:
-//   fp32: t = fma(a_k, c_k - o, t) for k < K in order (o = 2^(bits-1));
-//   int8: d += sum q_k c_k, four codes per vpdpbusd (u8 codes x s8 activations, exact).
+//   fp32: t = fma(a_k, q_k, t) for k < K in order (q = c - 2^(bits-1), or the level of c);
+//   int8: d += sum qa_k u_k, four codes per vpdpbusd (u8 x s8 activations, exact).
+// Widths up to kLevelBits look each code up in the node's level table (kernel.h's
+// CodeLevels: one byte shuffle per vector), so any grid of theirs runs the same loops.
 // Without VNNI, vpmaddubsw adds u8 x s8 pairs into int16 with saturation: exact for codes
 // up to 127 (2 * 127 * 127 < 32768) but not for 8-bit codes, which go in as two nibbles
 // (dot4_u8). Internal linkage only, for the reason tile_kernels.h gives.
@@ -24,6 +26,26 @@ struct PlaneKernels {
   static constexpr int kVecBytes = S::kLanes * 4;
   static constexpr Planes kP = planes_of(kBits);
   static constexpr int kOffset = 1 << (kBits - 1);
+  static constexpr bool kTable = kBits <= kLevelBits;
+  // Bits of the signed q in each byte of a quad: the table's bytes, or the code XOR o.
+  static constexpr int kField = kTable ? 8 : kBits;
+
+  // fp32 mode: a quad's codes to signed q in kField bits per byte.
+  static CIM_INLINE I signed_q(const PackedWeights& w, I codes) {
+    if constexpr (kTable) {
+      return S::lookup16(S::table16(w.levels.q), codes);
+    } else {  // XOR o turns each code c into the kBits-bit two's complement of c - o
+      return S::xor_(codes, S::set1_i8(static_cast<char>(kOffset)));
+    }
+  }
+  // int8 mode: a quad's codes to the u8 values vpdpbusd multiplies (q + zero).
+  static CIM_INLINE I unsigned_u(const PackedWeights& w, I codes) {
+    if constexpr (kTable) {
+      return S::lookup16(S::table16(w.levels.u), codes);
+    } else {
+      return codes;
+    }
+  }
 
   // Codes k = 4Q .. 4Q+3 of the chunk at `chunk` as u8, vector x of its tile; the high
   // plane starts `high` bytes into the chunk. Shifts are on 16-bit lanes: the byte mask
@@ -72,8 +94,7 @@ struct PlaneKernels {
   static CIM_INLINE void fp32_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
     for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j) {
-      // XOR o turns each code c into the kBits-bit two's complement of c - o.
-      for (int x = 0; x < NT * kVecs; ++x) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
+      for (int x = 0; x < NT * kVecs; ++x) codes[x] = signed_q(w, codes[x]);
       switch (valid - j) {  // the tail of K: A has no values past it
         case 1: fp32_quad<NT, R, 1>(codes, a, k0 + j, t); break;
         case 2: fp32_quad<NT, R, 2>(codes, a, k0 + j, t); break;
@@ -84,18 +105,18 @@ struct PlaneKernels {
   }
 
   // The first J codes of a quad (k = k .. k + J - 1): byte B shifted to the top of the
-  // lane, an arithmetic shift down sign-extends it to c - o, convert (all exact).
+  // lane, an arithmetic shift down sign-extends its kField bits to q, convert (all exact).
   template <int NT, int R, int J>
   static CIM_INLINE void fp32_quad(const I (&codes)[NT * kVecs], const float* const (&a)[R], int64_t k,
                                    F (&t)[R][NT * kVecs]) {
     static_for<J>([&](auto bc) CIM_INLINE_LAMBDA {
       constexpr int B = decltype(bc)::value;
-      constexpr int up = 32 - 8 * B - kBits;
+      constexpr int up = 32 - 8 * B - kField;
       F wv[NT * kVecs];
       for (int x = 0; x < NT * kVecs; ++x) {
         I c = codes[x];
         if constexpr (up > 0) c = S::template shl32<up>(c);
-        wv[x] = S::cvt(S::template sar32<32 - kBits>(c));
+        wv[x] = S::cvt(S::template sar32<32 - kField>(c));
       }
       for (int r = 0; r < R; ++r) {
         const F av = S::set1(a[r][k + B]);
@@ -120,7 +141,7 @@ struct PlaneKernels {
       static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
         if (4 * Q >= per_chunk) return;
-        const I codes = quad<Q>(chunk, high, x % kVecs);
+        const I codes = unsigned_u(w, quad<Q>(chunk, high, x % kVecs));
         const I qv = S::set1_i32(load_i32(q + ch * per_chunk + 4 * Q));
         if constexpr (kBits == 8) {
           d = S::dot4_u8(d, codes, qv);
@@ -139,11 +160,12 @@ struct PlaneKernels {
     return d;
   }
 
-  // int8 mode: the whole group (codes past K are o and A's int8 copy is 0 there) into d.
+  // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d.
   template <int NT, int R>
   static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const int8_t* const (&q)[R], int64_t k0, I (&d)[R][NT * kVecs]) {
     for_each_quad<NT>(w, blk, w.group_size, [&](I (&codes)[NT * kVecs], int64_t j) {
+      for (int x = 0; x < NT * kVecs; ++x) codes[x] = unsigned_u(w, codes[x]);
       for (int r = 0; r < R; ++r) {
         const I qv = S::set1_i32(load_i32(q[r] + k0 + j));
         for (int x = 0; x < NT * kVecs; ++x) {

@@ -27,7 +27,7 @@ void* aligned_bytes(int64_t bytes) {
   return p;
 }
 
-std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
+std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits, int top, const uint8_t* packed,
                              const void* scales, int scale_type, const uint16_t* super_scales, const float* bias) {
   const int64_t groups = (K + group_size - 1) / group_size;
   const int64_t k_padded = groups * group_size;
@@ -41,7 +41,7 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
       if (attribute_code(row, k, bits) != offset) {
         std::ostringstream msg;
         msg << "attribute 'packed': padding code at row " << n << ", k=" << k << " is "
-            << attribute_code(row, k, bits) << ", expected " << offset << " (q = 0) for every k >= K=" << K;
+            << attribute_code(row, k, bits) << ", expected " << offset << " for every k >= K=" << K;
         return msg.str();
       }
     }
@@ -60,13 +60,13 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
   }
   for (int64_t i = 0; i < N * groups; ++i) {
     // Any sign (ORT's and llama.cpp's symmetric rule map the largest-magnitude weight to
-    // -2^(b-1), so the scale takes its sign); 2^(b-1)*|scale| bounds every dequantized
-    // weight, so it must be finite too (a finite float16 always is).
+    // -2^(b-1), so the scale takes its sign); top*|scale| (top: the grid's largest |q|)
+    // bounds every dequantized weight, so it must be finite too (a finite float16 always is).
     const float s = attribute_scale(scales, scale_type, super_scales, groups, i / groups, i % groups);
-    if (!std::isfinite(s) || !std::isfinite(float(offset) * s)) {
+    if (!std::isfinite(s) || !std::isfinite(float(top) * s)) {
       std::ostringstream msg;
       msg << "attribute 'scales': value " << s << " at row " << i / groups << ", group " << i % groups
-          << " is not a finite number with " << offset << "*|scale| finite";
+          << " is not a finite number with " << top << "*|scale| finite";
       return msg.str();
     }
   }
@@ -123,6 +123,31 @@ void write_block_codes_4bit(uint8_t* block, const uint8_t* packed, int64_t in_ro
 
 }  // namespace
 
+bool make_levels(int bits, int grid, CodeLevels* out) {
+  static_assert(kLevelBits == 3 && std::size(contract::kNormalLevels2) == 4 && std::size(contract::kNormalLevels3) == 8,
+                "kernel.h's level tables disagree with the contract's grids");
+  CodeLevels l;
+  l.zero = 1 << (bits - 1);
+  if (grid < 0 || grid >= int(std::size(contract::kGrids))) return false;
+  if (grid != 0 && std::find(std::begin(contract::kGridBits), std::end(contract::kGridBits), bits) ==
+                       std::end(contract::kGridBits)) {
+    return false;
+  }
+  if (bits <= kLevelBits) {
+    const int* normal = bits == 2 ? contract::kNormalLevels2 : contract::kNormalLevels3;
+    const int codes = 1 << bits;
+    if (grid != 0) l.zero = -normal[0];  // levels ascend: the first is the most negative
+    for (int c = 0; c < codes; ++c) {
+      const int q = grid == 0 ? c - (1 << (bits - 1)) : normal[c];
+      if (q + l.zero < 0 || q + l.zero > max_u(bits)) return false;  // int8 mode's u8 would not fit its bound
+      l.q[c] = static_cast<int8_t>(q);
+      l.u[c] = static_cast<uint8_t>(q + l.zero);
+    }
+  }
+  *out = l;
+  return true;
+}
+
 // The weight stream: decode reads it once per call, front to back, at DRAM speed. On 4 KiB
 // pages that is a TLB miss every 64 cache lines, and hardware prefetchers stop at each
 // page; a stream of several MiB starts on a 2 MiB boundary and asks for transparent huge
@@ -152,8 +177,12 @@ bool is_supported_bits(int64_t bits) {
 
 std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed,
                                  const void* scales, int scale_type, const uint16_t* super_scales,
-                                 const float* bias) {
-  std::string problem = check_attributes(K, N, group_size, bits, packed, scales, scale_type, super_scales, bias);
+                                 const float* bias, int grid) {
+  CodeLevels levels;
+  if (!make_levels(bits, grid, &levels)) return "attribute 'grid': not a grid of codes of " + std::to_string(bits) + " bits";
+  int top = 0;
+  for (int c = 0; c < (1 << bits); ++c) top = std::max(top, std::abs(bits <= kLevelBits ? levels.q[c] : c - (1 << (bits - 1))));
+  std::string problem = check_attributes(K, N, group_size, bits, top, packed, scales, scale_type, super_scales, bias);
   if (!problem.empty()) return problem;
 
   const int64_t groups = (K + group_size - 1) / group_size;
@@ -168,6 +197,7 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int b
   w_.tiles = (N + kTileN - 1) / kTileN;
   w_.block_bytes = block_bytes_of(bits, group_size, scale_type);
   w_.bits = bits;
+  w_.levels = levels;
   w_.scale_type = scale_type;
   w_.super_bytes = supers > 0 ? kTileN * 2 : 0;
   const int64_t code_bytes = w_.code_bytes();

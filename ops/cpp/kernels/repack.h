@@ -17,16 +17,19 @@ class PackedStorage {
 
   // Builds the tile layout (kernel.h) from the attribute layout:
   //   packed: uint8 [N, K_padded * bits / 8], row n one little-endian bit stream, element
-  //           k in bits k*bits .. k*bits + bits-1 (attribute_code), code = q + 2^(bits-1);
+  //           k in bits k*bits .. k*bits + bits-1 (attribute_code), code = q + 2^(bits-1)
+//           (uniform grid; else q = the code's level, kernel.h's CodeLevels);
   //   scales: [N, groups] of scale_type: float32, float16 bits or int8;
   //   super_scales: int8 scales only, float16 bits [N, ceil(groups / kSuperGroups)];
-  //   bias: [N] or null.
-  // Checks first (padding codes, finite scales with 2^(bits-1)|scale| finite in float32,
+  //   bias: [N] or null;
+  //   grid: what a code stands for, an index into contract::kGrids (0 uniform, 1 normal).
+  // Checks first (padding codes, finite scales with top|scale| finite in float32 (top: the
+  // grid's largest |q|, 2^(bits-1) uniform),
   // finite super-scales and bias), so nothing is allocated for bad input. Returns an empty
   // string on success, else what is wrong (the caller names the node). The caller may free
   // its inputs afterwards.
   std::string build(int64_t K, int64_t N, int64_t group_size, int bits, const uint8_t* packed, const void* scales,
-                    int scale_type, const uint16_t* super_scales, const float* bias);
+                    int scale_type, const uint16_t* super_scales, const float* bias, int grid = 0);
 
   // Bytes this object holds (the stream and the bias).
   int64_t bytes() const { return stream_bytes_ + bias_bytes_; }

@@ -107,6 +107,9 @@ struct Avx2 {
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I set1_i8(char x) { return _mm256_set1_epi8(x); }
+  // A 16-byte table in each 128-bit half, and the table's byte at each byte's index (0 .. 15).
+  static I table16(const void* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+  static I lookup16(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }
   template <int N> static I shl16(I x) { return _mm256_slli_epi16(x, N); }
   template <int N> static I shr16(I x) { return _mm256_srli_epi16(x, N); }
   template <int N> static I shl32(I x) { return _mm256_slli_epi32(x, N); }

@@ -94,6 +94,9 @@ struct Avx512 {
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I set1_i8(char x) { return _mm512_set1_epi8(x); }
+  // A 16-byte table in each 128-bit lane, and the table's byte at each byte's index (0 .. 15).
+  static I table16(const void* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+  static I lookup16(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
   template <int N> static I shl16(I x) { return _mm512_slli_epi16(x, N); }
   template <int N> static I shr16(I x) { return _mm512_srli_epi16(x, N); }
   template <int N> static I shl32(I x) { return _mm512_slli_epi32(x, N); }

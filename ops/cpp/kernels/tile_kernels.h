@@ -14,6 +14,7 @@
 // their float32 super-scale / 128, an exact product: scales_of):
 //   fp32: per group  t = fma(a_k, c_k - o, t) for k in order;  acc = fma(t, scale, acc)
 //   int8: per group  d = -o * sum q_k + sum q_k c_k (vpdpbusd, exact);  acc = fma(d, a_scale * scale, acc)
+// (widths up to kLevelBits: the codes' levels from the node's table, plane_kernels.h)
 // 4-bit codes run the loops below, tuned per core (variants.h); the other widths unpack
 // their planes (kernel.h) a quad of codes at a time (plane_kernels.h) in the same skeleton.
 // Loops, outer to inner:
@@ -232,6 +233,17 @@ struct TileKernels {
 
   // ---- int8 mode ---------------------------------------------------------------------
 
+  // What a group's integer dot starts from, per unit of sum(qa): the u8 value of q = 0
+  // (2^(bits-1); a level table's own, kernel.h's CodeLevels).
+  template <int kBits>
+  static CIM_INLINE int32_t int8_zero(const PackedWeights& w) {
+    if constexpr (kBits <= kLevelBits) {
+      return w.levels.zero;
+    } else {
+      return int32_t(1) << (kBits - 1);
+    }
+  }
+
   // Code row v (codes k0 + 8v .. k0 + 8v + 7) of the NT blocks against R rows of int8 A:
   // f(r, x, lo, q_lo, hi, q_hi) per row r and vector x, where lane c of lo / hi holds codes
   // 8v .. 8v + 3 / 8v + 4 .. 8v + 7 of channel c and q_lo / q_hi the four activations of each.
@@ -269,7 +281,7 @@ struct TileKernels {
       enter_group<NT, kSc, kAhead, kHint>(w, t0, g, g0, blk, scl, run);
       I d[R][NT * kVecs];
       for (int r = 0; r < R; ++r) {
-        const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[(m0 + r) * w.groups + g]);
+        const I z = S::set1_i32(-int8_zero<kBits>(w) * qa.qsum[(m0 + r) * w.groups + g]);
         for (int x = 0; x < NT * kVecs; ++x) d[r][x] = z;
       }
       const int64_t k0 = g * w.group_size;
@@ -315,7 +327,7 @@ struct TileKernels {
       const uint8_t* scl[NT];
       enter_group<NT, kSc, kAhead, kHint>(w, t0, g, 0, blk, scl, run);
       const int8_t* q = qa.q + g * w.group_size;
-      const I z = S::set1_i32(-(int32_t(1) << (kBits - 1)) * qa.qsum[g]);
+      const I z = S::set1_i32(-int8_zero<kBits>(w) * qa.qsum[g]);
       const F a_scale = S::set1(qa.scale[g]);
       if constexpr (kBits == 4) {
         if (chunks == 0) {  // group size 16: two code rows

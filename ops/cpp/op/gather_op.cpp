@@ -51,6 +51,7 @@ class GatherKernel {
       attrs.fail("attribute 'bits' is " + std::to_string(bits) + ", expected one of " + cim::contract::kBitsText);
     }
     bits_ = static_cast<int>(bits);
+    if (!cim::make_levels(bits_, read_grid(attrs, bits_), &levels_)) attrs.fail("attribute 'grid' does not fit 'bits'");
     inputs_ = attrs.input_count();
     if (inputs_ != 3 && inputs_ != 4) {
       attrs.fail("has " + std::to_string(inputs_) +
@@ -179,6 +180,7 @@ class GatherKernel {
     t.scale_type = i8 ? cim::kScaleI8 : f16 ? cim::kScaleF16 : cim::kScaleF32;
     t.super_scales = super != nullptr ? static_cast<const uint16_t*>(super->data) : nullptr;
     t.bits = bits_;
+    t.levels = levels_;
     t.rows = rows;
     t.K = K_;
     t.group_size = group_size_;
@@ -204,6 +206,7 @@ class GatherKernel {
   int64_t K_ = 0;
   int64_t group_size_ = 32;
   int bits_ = 4;
+  cim::CodeLevels levels_;  // what each code stands for (attribute 'grid')
   int64_t ranges_ = 1;
   size_t inputs_ = 3;
 };

@@ -108,6 +108,7 @@ class Kernel {
                  cim::contract::kGroupSizesText);
     }
     const int bits = read_bits(attrs);
+    const int grid = read_grid(attrs, bits);
     gated_ = read_gated(attrs);
     if (gated_ >= 0 && N % 2 != 0) {
       attrs.fail("attribute 'N' is " + std::to_string(N) + ", expected an even N with 'gated' (the gate's N/2 " +
@@ -176,7 +177,7 @@ class Kernel {
                       : nullptr;
       const std::string problem =
           storage_.build(K, N, group_size, bits, data_of<uint8_t>(packed), data_of<void>(scales), scale_type,
-                         super != nullptr ? data_of<uint16_t>(super) : nullptr, bias_data);
+                         super != nullptr ? data_of<uint16_t>(super) : nullptr, bias_data, grid);
       if (!problem.empty()) attrs.fail(problem);
     } else if (inputs == 1) {
       // The attribute copies ORT hands out live only in this scope: at load, the peak is
@@ -198,12 +199,12 @@ class Kernel {
       // A gated node: rows [0, N/2) are the gate, [N/2, N) the up projection, each its own stream.
       const int64_t n_out = gated_ >= 0 ? N / 2 : N;
       std::string problem =
-          storage_.build(K, n_out, group_size, bits, packed_data, scale_bytes, scale_type, super_data, bias_data);
+          storage_.build(K, n_out, group_size, bits, packed_data, scale_bytes, scale_type, super_data, bias_data, grid);
       if (problem.empty() && gated_ >= 0) {
         problem = up_.build(K, n_out, group_size, bits, packed_data + n_out * row_bytes,
                             scale_bytes + n_out * groups * cim::scale_size_of(scale_type), scale_type,
                             super_data != nullptr ? super_data + n_out * supers : nullptr,
-                            bias_data ? bias_data + n_out : nullptr);
+                            bias_data ? bias_data + n_out : nullptr, grid);
       }
       if (!problem.empty()) attrs.fail(problem);
     } else {

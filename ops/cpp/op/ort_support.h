@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -285,6 +286,25 @@ class AttributeReader {
   const char* op_type_;
   OrtAllocator* allocator_ = nullptr;
 };
+
+// The node's grid (attribute 'grid', absent = the contract's default) as an index into
+// contract::kGrids, checked against the code width `bits` (a non-uniform grid is for the
+// widths contract::kGridBits only).
+inline int read_grid(const AttributeReader& attrs, int bits) {
+  const std::string expected = std::string("one of ") + cim::contract::kGridsText;
+  const std::string grid = attrs.optional_string(cim::contract::kAttrGrid, cim::contract::kDefaultGrid, expected.c_str());
+  const auto& names = cim::contract::kGrids;
+  for (size_t i = 0; i < std::size(names); ++i) {
+    if (grid != names[i]) continue;
+    const auto& widths = cim::contract::kGridBits;
+    if (i != 0 && std::find(std::begin(widths), std::end(widths), bits) == std::end(widths)) {
+      attrs.fail("attribute 'grid' is \"" + grid + "\", which is for 'bits' 2 or 3, got bits=" + std::to_string(bits));
+    }
+    return static_cast<int>(i);
+  }
+  attrs.fail("attribute 'grid' is \"" + grid + "\", expected " + expected);
+  return 0;
+}
 
 template <typename T>
 const T* data_of(const OrtValue* v) {

@@ -97,6 +97,7 @@ constexpr const char* kScaleNames[] = {"f32", "f16", "i8"};
 struct Shape {
   int64_t M, N, K, group_size;
   int bits = 4;
+  int grid = 0;  // what a code stands for: 0 uniform, 1 normal (contract::kGrids)
   int scale_type = cim::kScaleF32;  // float32, float16 or int8 scales (kernel.h's ScaleType)
   int64_t lda, ldy;
   bool bias;
@@ -109,11 +110,17 @@ struct Shape {
   int64_t a_pad = 0;
 };
 
+// The q a code stands for, from the contract's tables (not the library's CodeLevels).
+int level_of(int64_t bits, int grid, int code) {
+  if (grid == 0) return code - (1 << (bits - 1));
+  return bits == 2 ? cim::contract::kNormalLevels2[code] : cim::contract::kNormalLevels3[code];
+}
+
 std::string describe(const Shape& s) {
-  char buf[192];
-  std::snprintf(buf, sizeof buf, "bits=%d scales=%s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " group=%" PRId64
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "bits=%d%s scales=%s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " group=%" PRId64
                 " lda=%" PRId64 " ldy=%" PRId64 " bias=%d wide=%d a_pad=%" PRId64 " extreme=%d",
-                s.bits, kScaleNames[s.scale_type], s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias),
+                s.bits, s.grid ? " grid=normal" : "", kScaleNames[s.scale_type], s.M, s.N, s.K, s.group_size, s.lda, s.ldy, int(s.bias),
                 int(s.wide_range), s.a_pad, int(s.extreme));
   return buf;
 }
@@ -205,7 +212,8 @@ class Problem {
                                                          : scales_.data();
     const std::string err =
         storage_.build(s.K, s.N, s.group_size, s.bits, packed.data(), scales, s.scale_type,
-                       s.scale_type == cim::kScaleI8 ? super_scales_.data() : nullptr, s.bias ? bias_.data() : nullptr);
+                       s.scale_type == cim::kScaleI8 ? super_scales_.data() : nullptr, s.bias ? bias_.data() : nullptr,
+                       s.grid);
     if (!err.empty()) {
       std::fprintf(stderr, "repack failed for %s: %s\n", describe(s).c_str(), err.c_str());
       std::exit(2);
@@ -271,7 +279,7 @@ class Problem {
     for (int64_t g = 0; g < groups_; ++g) {
       double amax = 0.0, abs_w = 0.0;
       for (int64_t k = g * s_.group_size; k < std::min(s_.K, (g + 1) * s_.group_size); ++k) {
-        const double w = (int(codes_[n * s_.K + k]) - (1 << (s_.bits - 1))) * double(scales_[n * groups_ + g]);
+        const double w = level_of(s_.bits, s_.grid, codes_[n * s_.K + k]) * double(scales_[n * groups_ + g]);
         const double t = double(a_[m * s_.lda + k]) * w;
         sum += t;
         abs_sum += std::fabs(t);
@@ -554,6 +562,20 @@ std::vector<Shape> shapes() {
       ++combo;
     }
   }
+  // The non-uniform grid of each width that has one, every scale dtype, the same way.
+  for (int64_t bits : cim::contract::kGridBits) {
+    for (int scale_type : {cim::kScaleF32, cim::kScaleF16, cim::kScaleI8}) {
+      for (size_t j = 0; j < base; ++j) {
+        if (j % 8 != static_cast<size_t>(combo % 8) && !out[j].extreme) continue;
+        Shape s = out[j];
+        s.bits = static_cast<int>(bits);
+        s.grid = 1;
+        s.scale_type = scale_type;
+        out.push_back(s);
+      }
+      ++combo;
+    }
+  }
   return out;
 }
 
@@ -566,6 +588,10 @@ int64_t check_gather(std::mt19937_64& rng) {
   int64_t failures = 0;
   const int64_t rows = 37;
   for (int64_t bits : cim::contract::kBits) {
+   for (int grid = 0; grid < 2; ++grid) {
+    const bool has_grid = std::find(std::begin(cim::contract::kGridBits), std::end(cim::contract::kGridBits), bits) !=
+                          std::end(cim::contract::kGridBits);
+    if (grid != 0 && !has_grid) continue;
     for (int scale_type : {cim::kScaleF32, cim::kScaleF16, cim::kScaleI8}) {
       for (int64_t group_size : cim::contract::kGroupSizes) {
         for (int64_t K : {int64_t(1), group_size - 1, group_size, group_size + 1, 3 * group_size + 7, int64_t(640),
@@ -609,12 +635,17 @@ int64_t check_gather(std::mt19937_64& rng) {
           t.scale_type = scale_type;
           t.super_scales = scale_type == cim::kScaleI8 ? super.as<uint16_t>() : nullptr;
           t.bits = static_cast<int>(bits);
+          if (!cim::make_levels(t.bits, grid, &t.levels)) {
+            std::printf("FAIL make_levels bits=%d grid=%d\n", t.bits, grid);
+            ++failures;
+          }
           t.rows = rows;
           t.K = K;
           t.group_size = group_size;
           t.groups = groups;
-          std::snprintf(g_running, sizeof g_running, "gather_rows bits=%d scales=%s K=%" PRId64 " group_size=%" PRId64,
-                        int(bits), kScaleNames[scale_type], K, group_size);
+          std::snprintf(g_running, sizeof g_running,
+                        "gather_rows bits=%d grid=%d scales=%s K=%" PRId64 " group_size=%" PRId64, int(bits), grid,
+                        kScaleNames[scale_type], K, group_size);
           cim::gather_rows(t, picks.data(), 0, count, out.as<float>());
           for (int64_t i = 0; i < count; ++i) {
             for (int64_t k = 0; k < K; ++k) {
@@ -625,7 +656,7 @@ int64_t check_gather(std::mt19937_64& rng) {
                 code |= ((t.packed[picks[i] * row_bytes + at / 8] >> (at % 8)) & 1) << bit;
               }
               const float want = scale_values[picks[i] * groups + k / group_size] *
-                                 static_cast<float>(code - (1 << (bits - 1)));
+                                 static_cast<float>(level_of(bits, grid, code));
               if (!same_bits(out.as<float>()[i * K + k], want)) {
                 std::printf("FAIL %s row %" PRId64 " k=%" PRId64 "\n", g_running, picks[i], k);
                 ++failures;
@@ -636,6 +667,7 @@ int64_t check_gather(std::mt19937_64& rng) {
         }
       }
     }
+   }
   }
   std::printf("gather_rows %" PRId64 " failures\n", failures);
   return failures;
