@@ -115,6 +115,7 @@ struct CodeLevels {
   alignas(16) int8_t q[16] = {};
   alignas(16) uint8_t u[16] = {};
   int32_t zero = 8;
+  bool uniform = true;  // q = code - 2^(b-1): the kernels skip the table (with_planes, plane_kernels.h)
 };
 // The levels of grid `grid` (0 uniform, 1 normal: the contract's kGrids order) for `bits`
 // bits; false for a grid that width does not have.

@@ -3,8 +3,9 @@
 // k = 4Q + b of a chunk), then the same arithmetic as the 4-bit loops of tile_kernels.h:
 //   fp32: t = fma(a_k, q_k, t) for k < K in order (q = c - 2^(bits-1), or the level of c);
 //   int8: d += sum qa_k u_k, four codes per vpdpbusd (u8 x s8 activations, exact).
-// Widths up to kLevelBits look each code up in the node's level table (kernel.h's
-// CodeLevels: one byte shuffle per vector), so any grid of theirs runs the same loops.
+// A non-uniform grid (widths up to kLevelBits) looks each code up in the node's level table
+// (kernel.h's CodeLevels: one byte shuffle per vector) in the same loops; with_planes picks
+// the form per group, so uniform codes run without it (the table cost int8 decode 9% at 3 bits).
 // Without VNNI, vpmaddubsw adds u8 x s8 pairs into int16 with saturation: exact for codes
 // up to 127 (2 * 127 * 127 < 32768) but not for 8-bit codes, which go in as two nibbles
 // (dot4_u8). Internal linkage only, for the reason tile_kernels.h gives.
@@ -18,15 +19,15 @@
 namespace cim {
 namespace {
 
-template <class S, int kBits>
+template <class S, int kBits, bool kTable = false>
 struct PlaneKernels {
+  static_assert(!kTable || kBits <= kLevelBits, "level tables hold 16 codes");
   using F = typename S::F;
   using I = typename S::I;
   static constexpr int kVecs = int(kTileN) / S::kLanes;
   static constexpr int kVecBytes = S::kLanes * 4;
   static constexpr Planes kP = planes_of(kBits);
   static constexpr int kOffset = 1 << (kBits - 1);
-  static constexpr bool kTable = kBits <= kLevelBits;
   // Bits of the signed q in each byte of a quad: the table's bytes, or the code XOR o.
   static constexpr int kField = kTable ? 8 : kBits;
 
@@ -179,6 +180,18 @@ struct PlaneKernels {
     });
   }
 };
+
+// f(PlaneKernels<S, kBits, table>{}): with the level table where the node's grid needs one.
+template <class S, int kBits, class Fn>
+CIM_INLINE void with_planes(const PackedWeights& w, Fn&& f) {
+  if constexpr (kBits <= kLevelBits) {
+    if (!w.levels.uniform) {
+      f(PlaneKernels<S, kBits, true>{});
+      return;
+    }
+  }
+  f(PlaneKernels<S, kBits, false>{});
+}
 
 }  // namespace
 }  // namespace cim

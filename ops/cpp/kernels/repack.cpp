@@ -128,6 +128,7 @@ bool make_levels(int bits, int grid, CodeLevels* out) {
                 "kernel.h's level tables disagree with the contract's grids");
   CodeLevels l;
   l.zero = 1 << (bits - 1);
+  l.uniform = grid == 0;
   if (grid < 0 || grid >= int(std::size(contract::kGrids))) return false;
   if (grid != 0 && std::find(std::begin(contract::kGridBits), std::end(contract::kGridBits), bits) ==
                        std::end(contract::kGridBits)) {

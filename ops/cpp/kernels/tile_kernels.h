@@ -221,7 +221,9 @@ struct TileKernels {
           default: break;
         }
       } else {
-        PlaneKernels<S, kBits>::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
+        with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
+          decltype(p)::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
+        });
       }
       for (int x = 0; x < NT * kVecs; ++x) {
         const F s = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
@@ -292,7 +294,9 @@ struct TileKernels {
           });
         }
       } else {
-        PlaneKernels<S, kBits>::template int8_group<NT, R>(w, blk, q, k0, d);
+        with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
+          decltype(p)::template int8_group<NT, R>(w, blk, q, k0, d);
+        });
       }
       for (int x = 0; x < NT * kVecs; ++x) {
         const F s = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
@@ -339,10 +343,12 @@ struct TileKernels {
           }
         }
       } else {
-        static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
-          constexpr int x = decltype(xc)::value;
-          const I d = PlaneKernels<S, kBits>::template int8_vector<NT>(w, blk, q, x, z);
-          narrow_store<kSc, NT>(w, scl, t0, g, run_or_null, x, d, a_scale, sums);
+        with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
+          static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
+            constexpr int x = decltype(xc)::value;
+            const I d = decltype(p)::template int8_vector<NT>(w, blk, q, x, z);
+            narrow_store<kSc, NT>(w, scl, t0, g, run_or_null, x, d, a_scale, sums);
+          });
         });
       }
     }
