@@ -114,6 +114,12 @@ struct Avx2 {
   template <int N> static I shr16(I x) { return _mm256_srli_epi16(x, N); }
   template <int N> static I shl32(I x) { return _mm256_slli_epi32(x, N); }
   template <int N> static I sar32(I x) { return _mm256_srai_epi32(x, N); }
+  template <int N> static I shr32(I x) { return _mm256_srli_epi32(x, N); }
+  // Up to 8 int8 levels as floats, and the level at bits 2:0 of each lane (vpermps).
+  static F level_table(const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  }
+  static F level_of(I idx, F table) { return _mm256_permutevar8x32_ps(table, idx); }
 
   // dot4 for codes up to 255 (see simd_avx512.h): two nibbles without VNNI.
   static I dot4_u8(I acc, I u8, I s8) {

@@ -101,6 +101,12 @@ struct Avx512 {
   template <int N> static I shr16(I x) { return _mm512_srli_epi16(x, N); }
   template <int N> static I shl32(I x) { return _mm512_slli_epi32(x, N); }
   template <int N> static I sar32(I x) { return _mm512_srai_epi32(x, N); }
+  template <int N> static I shr32(I x) { return _mm512_srli_epi32(x, N); }
+  // Up to 16 int8 levels as floats, and the level at bits 3:0 of each lane (vpermps).
+  static F level_table(const int8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  }
+  static F level_of(I idx, F table) { return _mm512_permutexvar_ps(idx, table); }
 
   // dot4 for codes up to 255: vpdpbusd as is; vpmaddubsw would saturate (2 * 255 * 127
   // > 32767), so without VNNI the codes go in as two nibbles, the high one's sum times 16.
