@@ -51,7 +51,7 @@ from ..contract import (
     round_to_grid,
     scale_values,
 )
-from .scale_rules import check_scale_rule, group_scales
+from .scale_rules import auto_rule, check_scale_rule, group_scales
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -168,9 +168,14 @@ def _quantize(
     wt = np.zeros((n, groups * group_size), dtype=np.float32)
     wt[:, :k] = w.T
     blocks = wt.reshape(n, groups, group_size)
-    # Padding zeros never change a group's scale under any rule (all look at |w| extremes or
-    # squared error, and a zero is exact on every grid).
+    # Padding zeros never change a group's scale on the uniform grid (every rule looks at |w| extremes
+    # or squared error, and zero is a level); the normal grid has no zero level, so there the last
+    # group's scale comes from its weights alone (the balanced rule without its carry there).
     scales = group_scales(blocks, scale_rule, bits, grid)
+    tail = k - (groups - 1) * group_size
+    if grid != DEFAULT_GRID and tail < group_size:
+        rule = auto_rule(group_size) if scale_rule == "auto" else scale_rule  # the rule of the other groups
+        scales[:, -1] = group_scales(np.ascontiguousarray(blocks[:, -1:, :tail]), rule, bits, grid)[:, 0]
     super_scales = None
     if scale_dtype == "int8":
         encoded = int8_scales(scales)

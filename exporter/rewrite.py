@@ -11,7 +11,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..contract import (
+    ATTR_GRID,
     DEFAULT_BITS,
+    DEFAULT_GRID,
+    GRID_OP_VERSION,
     MATMUL_SHARED,
     OP_DOMAIN,
     OP_TYPE,
@@ -53,7 +56,7 @@ def drop_stray_imports(model: onnx.ModelProto) -> list[str]:
 
     Returns one warning line per import dropped; raises ValueError if a node uses the domain.
     """
-    stray = [o for o in model.opset_import if o.domain == OP_DOMAIN and o.version != OP_VERSION]
+    stray = [o for o in model.opset_import if o.domain == OP_DOMAIN and o.version not in (OP_VERSION, GRID_OP_VERSION)]
     if not stray:
         return []
     if uses_domain(model, OP_DOMAIN):
@@ -61,7 +64,7 @@ def drop_stray_imports(model: onnx.ModelProto) -> list[str]:
             f"model imports domain {OP_DOMAIN!r} at version {stray[0].version} and has nodes in it; "
             f"this exporter writes version {OP_VERSION}"
         )
-    kept = [o for o in model.opset_import if not (o.domain == OP_DOMAIN and o.version != OP_VERSION)]
+    kept = [o for o in model.opset_import if not (o.domain == OP_DOMAIN and o in stray)]
     del model.opset_import[:]
     model.opset_import.extend(kept)
     return [f"ignored opset import {OP_DOMAIN!r} v{o.version}: no node uses it (dropped)" for o in stray]
@@ -464,7 +467,24 @@ def run_rewrite(
             )
     if summary.rewritten and not any(o.domain == OP_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(OP_DOMAIN, OP_VERSION))
+    if _has_grid(out.graph):  # codes an op library from before grids would read as uniform: it must refuse
+        for o in out.opset_import:
+            if o.domain == OP_DOMAIN:
+                o.version = GRID_OP_VERSION
     return out, rewriter
+
+
+def _has_grid(graph: onnx.GraphProto) -> bool:
+    """Whether a node of the library in ``graph`` (or a subgraph) has a non-uniform ``grid``."""
+    for node in graph.node:
+        for a in node.attribute:
+            if node.domain == OP_DOMAIN and a.name == ATTR_GRID and a.s.decode() != DEFAULT_GRID:
+                return True
+            if a.type == onnx.AttributeProto.GRAPH and _has_grid(a.g):
+                return True
+            if any(_has_grid(g) for g in a.graphs):
+                return True
+    return False
 
 
 def rewrite_model(

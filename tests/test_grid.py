@@ -22,7 +22,9 @@ from cim_int4.cli import build_parser, export_options
 from cim_int4.contract import (
     GATHER_OP_TYPE,
     GRID_BITS,
+    GRID_OP_VERSION,
     NORMAL_LEVELS_3,
+    OP_VERSION,
     Int4Node,
     is_op_node,
     levels,
@@ -119,6 +121,18 @@ def test_quantized_codes_are_levels_and_gaussian_weights_lose_less(bits: int) ->
         assert _squared_error(w, 3, "normal") < 0.985 * _squared_error(w, 3, "uniform")
 
 
+def test_padding_does_not_set_the_last_groups_scale_on_a_grid_without_zero() -> None:
+    # K = 40 at group 32: the last group holds 8 weights and 24 padding zeros, which the normal grid
+    # cannot represent; its scale is the rule's scale of the 8 weights alone.
+    from cim_int4.exporter.scale_rules import group_scales
+
+    w = _weight(40, 16, 5)
+    for rule in ("mse", "balanced"):
+        qw = quantize_weight(w, 32, rule, 3, "float32", "normal")
+        alone = group_scales(np.ascontiguousarray(w[32:].T[:, None, :]), rule, 3, "normal")[:, 0]
+        np.testing.assert_array_equal(qw.scales[:, 1], alone)
+
+
 def test_gptq_on_the_grid_beats_rounding_to_it_on_its_own_objective() -> None:
     rng = np.random.default_rng(3)
     k, n = 128, 32
@@ -146,6 +160,11 @@ def test_export_with_the_normal_grid_runs_as_the_reference_says() -> None:
     gathers = [n for n in out.graph.node if n.op_type == GATHER_OP_TYPE]
     assert all(is_op_node(n) or n.op_type == GATHER_OP_TYPE for n in gathers)
     assert "'normal' grid's levels" in summary.format()
+    # A library from before grids serves domain version 1 only: the model declares 2, so it refuses it
+    # rather than read the codes as uniform; without a grid the model stays at version 1.
+    assert [o.version for o in out.opset_import if o.domain == "dbhoo.cim"] == [GRID_OP_VERSION]
+    plain, _ = export_with_summary(model, bits=3)
+    assert [o.version for o in plain.opset_import if o.domain == "dbhoo.cim"] == [OP_VERSION]
     pytest.importorskip("onnxruntime_extensions")
     feeds = {}
     for inp in out.graph.input:

@@ -333,7 +333,7 @@ def test_reference_backend_gives_the_library_bits(width: tuple[int, str], scale_
 # --- grids: refused where a width has none, and the grid's largest level bounds the scales --------
 
 
-@pytest.mark.parametrize(("bits", "grid", "words"), [(4, "normal", "'bits' 2 or 3"), (3, "lloyd", "expected one of")])
+@pytest.mark.parametrize(("bits", "grid", "words"), [(4, "normal", "'bits' 2, 3"), (3, "lloyd", "expected one of")])
 def test_a_grid_the_width_lacks_is_refused(bits: int, grid: str, words: str) -> None:
     t = table(64, 8, 32, bits, np.float32)
     bad = Table(64, 8, 32, bits, t.packed, t.scales, grid=grid)

@@ -5,6 +5,7 @@ CimInt4MatMul nodes of ``--dim`` x ``--dim`` (random codes; speed does not depen
 their values): the node with float32 scales, the same with float16 scales, ORT's
 MatMulNBits 4-bit with accuracy_level 4 (int8 activations: "acc4") and, where ORT runs it,
 MatMulNBits 8-bit acc4; the node with int8 scales and float16 super-scales (``--int8-scales``);
+at 2 and 3 bits the node with codes on the normal grid (``--normal-grid``: int8 scales, or float32);
 and the read probe (ops/cpp/tools/bwprobe.cpp) once per round.
 Both compute modes of ours at M = 1 and M = 128, 1 and 2 threads. GB/s is bytes of the
 repacked stream (codes and scales) per second. Sessions use the kernels' default decode
@@ -34,7 +35,7 @@ from cim_int4.bench.machine import cpu_model
 from cim_int4.bench.probe import BandwidthProbe
 from cim_int4.bench.runner import bench_session
 from cim_int4.bench.timing import interleaved
-from cim_int4.contract import OP_DOMAIN, OP_TYPE, OP_VERSION, SUPER_GROUPS, SUPPORTED_BITS, int8_scales
+from cim_int4.contract import GRID_BITS, OP_DOMAIN, OP_TYPE, OP_VERSION, SUPER_GROUPS, SUPPORTED_BITS, int8_scales
 
 GROUP = 32
 
@@ -49,10 +50,13 @@ def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], dim: int,
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-def cim_chain(bits: int, scale_dtype: type, dim: int, layers: int, compute: str, seed: int = 0) -> onnx.ModelProto:
+def cim_chain(
+    bits: int, scale_dtype: type, dim: int, layers: int, compute: str, seed: int = 0, grid: str = "uniform"
+) -> onnx.ModelProto:
     """``layers`` CimInt4MatMul nodes of random ``bits``-bit codes, scales of ``scale_dtype`` (~1/sqrt(dim) gain).
 
-    ``np.int8``: int8 scales with their float16 super-scales (``contract.int8_scales``).
+    ``np.int8``: int8 scales with their float16 super-scales (``contract.int8_scales``); ``grid``: what the
+    codes stand for (every code is a level of every grid).
     """
     rng = np.random.default_rng(seed)
     nodes = []
@@ -67,6 +71,7 @@ def cim_chain(bits: int, scale_dtype: type, dim: int, layers: int, compute: str,
         nodes.append(helper.make_node(
             OP_TYPE, [f"x{i}"], [f"x{i + 1}"], name=f"l{i}", domain=OP_DOMAIN, K=dim, N=dim, group_size=GROUP,
             bits=bits, compute=compute, packed=numpy_helper.from_array(packed, "packed"),
+            **({"grid": grid} if grid != "uniform" else {}),
             **{name: numpy_helper.from_array(value, name) for name, value in tensors.items()},
         ))
     return _model(nodes, [], dim, layers)
@@ -113,6 +118,10 @@ def measure_width(bits: int, args: argparse.Namespace, probe: BandwidthProbe) ->
         if args.int8_scales:  # one byte a group, two per super-block of SUPER_GROUPS groups
             models["i8"] = (cim_chain(bits, np.int8, dim, layers, compute),
                             stream_bytes(bits, 1 + 2 / SUPER_GROUPS, dim, layers))
+        if args.normal_grid and bits in GRID_BITS:
+            dtype, scale_bytes = (np.int8, 1 + 2 / SUPER_GROUPS) if args.int8_scales else (np.float32, 4)
+            models["normal"] = (cim_chain(bits, dtype, dim, layers, compute, grid="normal"),
+                                stream_bytes(bits, scale_bytes, dim, layers))
         if compute == "int8":  # MatMulNBits acc4 has int8 activations: beside our int8 mode
             models["nbits4_acc4"] = (nbits_chain(4, dim, layers), stream_bytes(4, 4, dim, layers))
             if bits == 8:
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 128])
     parser.add_argument("--int8-scales", action="store_true", help="also time int8 scales with super-scales")
+    parser.add_argument("--normal-grid", action="store_true", help="at 2 and 3 bits also time the normal grid's codes")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     # The kernels' default decode variant for every session: no tuning, no profile.

@@ -69,6 +69,9 @@ from onnx import helper, numpy_helper
 OP_DOMAIN = "dbhoo.cim"
 OP_TYPE = "CimInt4MatMul"
 OP_VERSION = 1
+# The domain version a model declares when a node has a non-uniform ``grid``: a library from before grids
+# (versions 1..1) then refuses the model instead of reading its codes as uniform; ours runs 1..GRID_OP_VERSION.
+GRID_OP_VERSION = 2
 # The int4 row gather (token embeddings, docs/embeddings.md): same domain and version, same codes/scales.
 GATHER_OP_TYPE = "CimInt4Gather"
 # Session config entry that sets the compute mode of every node of a session.

@@ -106,11 +106,11 @@ constexpr int max_u(int bits) { return bits <= kLevelBits ? (2 << bits) : (1 << 
 // whose one step can already saturate.
 constexpr int pair_steps(int bits) { return bits >= 8 ? 0 : 32767 / (2 * 127 * max_u(bits)); }
 
-// What a code stands for (the `grid` attribute). Widths up to kLevelBits look each code up in a
-// 16-entry table (one byte shuffle per vector): fp32 mode the signed level q, int8 mode the
-// unsigned u = q + zero that vpdpbusd takes, with the group's dot starting at -zero * sum(qa).
-// The uniform grid's tables are q = code - 2^(b-1), u = code, zero = 2^(b-1), so its kernels
-// give the bits they always gave. A grid's levels lie within +-2^b, so u <= max_u(b).
+// What a code stands for (the `grid` attribute), for widths up to kLevelBits: fp32 mode takes
+// the signed level q as a float (vpermps from q), int8 mode looks a non-uniform grid's codes up
+// in u (one byte shuffle per vector), the unsigned q + zero that vpdpbusd takes, with the
+// group's dot starting at -zero * sum(qa). The uniform grid's tables are q = code - 2^(b-1),
+// u = code, zero = 2^(b-1) (int8 mode skips u). A grid's levels lie within +-2^b, so u <= max_u(b).
 struct CodeLevels {
   alignas(16) int8_t q[16] = {};
   alignas(16) uint8_t u[16] = {};

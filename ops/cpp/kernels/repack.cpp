@@ -33,7 +33,7 @@ std::string check_attributes(int64_t K, int64_t N, int64_t group_size, int bits,
   const int64_t k_padded = groups * group_size;
   const int64_t in_row_bytes = k_padded * bits / 8;
   const int offset = 1 << (bits - 1);
-  // The contract pads K with q = 0; anything else means the packer disagrees with us
+  // The contract pads K with the code 2^(bits-1) (q = 0 on the uniform grid); anything else means the packer disagrees with us
   // about the layout, which would otherwise go unnoticed.
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = packed + n * in_row_bytes;
@@ -126,6 +126,9 @@ void write_block_codes_4bit(uint8_t* block, const uint8_t* packed, int64_t in_ro
 bool make_levels(int bits, int grid, CodeLevels* out) {
   static_assert(kLevelBits == 3 && std::size(contract::kNormalLevels2) == 4 && std::size(contract::kNormalLevels3) == 8,
                 "kernel.h's level tables disagree with the contract's grids");
+  for (int64_t b : contract::kGridBits) {
+    if (b > kLevelBits) return false;  // a grid of a width the kernels read without a table: never run it as uniform
+  }
   CodeLevels l;
   l.zero = 1 << (bits - 1);
   l.uniform = grid == 0;

@@ -323,8 +323,8 @@ class Kernel {
     // two runs its tiles one at a time.)
     // int8-mode prefill: kPrefillRangesPerThread ranges a thread, taken as the pool's threads
     // come free, so a thread slowed by its neighbour (two vCPUs of one core, a noisy host) does
-    // not hold the node up with half the work. On a 2-vCPU Zen 4, M = 128, 4 x 4096^2: 65.1 ->
-    // 49.9 ms at 2 threads (it was slower than 1 thread's 59.8), level at 1 thread. Not fp32
+    // not hold the node up with half the work. On a 2-vCPU Zen 4, M = 128, 4 x 4096^2: 59.8 ->
+    // 46.8 ms at 2 threads (1 thread: 59.7, which 2 threads had not beaten), level at 1 thread. Not fp32
     // mode: it packs A per range, and ranges_ cannot tell a 1-thread pool from a larger one
     // (the C API does not say), where the extra ranges cost it 2% for a 5% gain at 2 threads.
     const int64_t blocks = (w.tiles + cim::kStripTiles - 1) / cim::kStripTiles;

@@ -296,9 +296,12 @@ inline int read_grid(const AttributeReader& attrs, int bits) {
   const auto& names = cim::contract::kGrids;
   for (size_t i = 0; i < std::size(names); ++i) {
     if (grid != names[i]) continue;
-    const auto& widths = cim::contract::kGridBits;
-    if (i != 0 && std::find(std::begin(widths), std::end(widths), bits) == std::end(widths)) {
-      attrs.fail("attribute 'grid' is \"" + grid + "\", which is for 'bits' 2 or 3, got bits=" + std::to_string(bits));
+    const auto& widths_of_grids = cim::contract::kGridBits;
+    if (i != 0 && std::find(std::begin(widths_of_grids), std::end(widths_of_grids), bits) == std::end(widths_of_grids)) {
+      std::string widths;
+      for (int64_t b : widths_of_grids) widths += (widths.empty() ? "" : ", ") + std::to_string(b);
+      attrs.fail("attribute 'grid' is \"" + grid + "\", which is for 'bits' " + widths + ", got bits=" +
+                 std::to_string(bits));
     }
     return static_cast<int>(i);
   }
@@ -404,7 +407,7 @@ OrtCustomOp custom_op_base() {
   };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   op.GetStartVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_OP_VERSION; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return CIM_GRID_OP_VERSION; };
   return op;
 }
 
