@@ -625,11 +625,12 @@ def _grid_value(grid: str, bits: int) -> str | None:
 def _grid(values: dict[str, object], op: OpSpec, bits: int, where: str) -> str:
     grid = values.get(ATTR_GRID, DEFAULT_GRID.encode())
     grid = grid.decode() if isinstance(grid, bytes) else grid
-    if ATTR_GRID not in op.attributes or grid not in GRIDS:
-        raise ValueError(f"{where}attribute 'grid' is {grid!r}, expected one of {GRIDS}")
-    if grid != DEFAULT_GRID and bits not in GRID_BITS:
-        raise ValueError(f"{where}attribute 'grid' is {grid!r}, which needs 'bits' one of {GRID_BITS}, got {bits}")
-    return grid
+    if ATTR_GRID not in op.attributes:
+        raise ValueError(f"{where}attribute 'grid' is {grid!r}, which {op.op_type} does not take")
+    try:
+        return check_grid(grid, bits)
+    except ValueError as e:
+        raise ValueError(f"{where}attribute 'grid': {e}") from None
 
 
 def _attributes(op: OpSpec, values: Mapping[str, object]) -> dict[str, object]:

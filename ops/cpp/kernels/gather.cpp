@@ -26,7 +26,6 @@ void gather_group_4bit(const uint8_t* codes, float scale, int64_t k0, int64_t k1
 
 void gather_rows(const Int4Table& t, const int64_t* rows, int64_t begin, int64_t end, float* Y) {
   const int64_t row_bytes = t.groups * t.group_size * t.bits / 8;
-  const int offset = 1 << (t.bits - 1);
   for (int64_t i = begin; i < end; ++i) {
     const uint8_t* codes = t.packed + rows[i] * row_bytes;
     float* y = Y + i * t.K;
@@ -38,11 +37,9 @@ void gather_rows(const Int4Table& t, const int64_t* rows, int64_t begin, int64_t
         gather_group_4bit(codes, scale, k0, k1, y);
         continue;
       }
-      if (t.bits <= kLevelBits) {
-        for (int64_t k = k0; k < k1; ++k) y[k] = scale * static_cast<float>(t.levels.q[attribute_code(codes, k, t.bits)]);
-        continue;
+      for (int64_t k = k0; k < k1; ++k) {
+        y[k] = scale * static_cast<float>(code_q(t.bits, t.levels, attribute_code(codes, k, t.bits)));
       }
-      for (int64_t k = k0; k < k1; ++k) y[k] = scale * static_cast<float>(attribute_code(codes, k, t.bits) - offset);
     }
   }
 }

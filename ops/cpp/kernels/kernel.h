@@ -182,10 +182,12 @@ CodeSpot code_spot(int bits, int64_t group_size, int64_t c, int64_t j);
 // in block (tile, group).
 int code_in_block(const PackedWeights& w, const uint8_t* block, int64_t c, int64_t j);
 float scale_of(const PackedWeights& w, int64_t tile, int64_t group, int64_t c);
-// The signed q a code stands for (fp32 mode), and the u8 value int8 mode multiplies (q + levels.zero).
-inline int q_of(const PackedWeights& w, int code) {
-  return w.bits <= kLevelBits ? w.levels.q[code] : code - (1 << (w.bits - 1));
+// The signed q a code of `bits` bits stands for (fp32 mode), and the u8 value int8 mode
+// multiplies (q + levels.zero).
+inline int code_q(int bits, const CodeLevels& levels, int code) {
+  return bits <= kLevelBits ? levels.q[code] : code - (1 << (bits - 1));
 }
+inline int q_of(const PackedWeights& w, int code) { return code_q(w.bits, w.levels, code); }
 inline int u_of(const PackedWeights& w, int code) { return w.bits <= kLevelBits ? w.levels.u[code] : code; }
 // float16 bits to float32, exactly (every float16 is a float32), without compiler support for _Float16.
 float half_to_float(uint16_t h);

@@ -33,7 +33,6 @@ struct PlaneKernels {
   // vpermps a code, where sign extension took a shift, a shift and a convert: 3-bit fp32
   // decode of a 16 x 4096^2 chain 22.2 -> 17.5 ms on a Zen 4); wider codes sign-extend their kBits.
   static constexpr bool kPermute = kBits <= kLevelBits;
-  static constexpr int kField = kBits;
 
   // int8 mode: a quad's codes to the u8 values vpdpbusd multiplies (q + zero).
   static CIM_INLINE I unsigned_u(const PackedWeights& w, I codes) {
@@ -113,7 +112,7 @@ struct PlaneKernels {
                                    F (&t)[R][NT * kVecs]) {
     static_for<J>([&](auto bc) CIM_INLINE_LAMBDA {
       constexpr int B = decltype(bc)::value;
-      constexpr int up = 32 - 8 * B - kField;
+      constexpr int up = 32 - 8 * B - kBits;
       F wv[NT * kVecs];
       for (int x = 0; x < NT * kVecs; ++x) {
         I c = codes[x];
@@ -122,7 +121,7 @@ struct PlaneKernels {
           wv[x] = S::level_of(c, levels);
         } else {
           if constexpr (up > 0) c = S::template shl32<up>(c);
-          wv[x] = S::cvt(S::template sar32<32 - kField>(c));
+          wv[x] = S::cvt(S::template sar32<32 - kBits>(c));
         }
       }
       for (int r = 0; r < R; ++r) {

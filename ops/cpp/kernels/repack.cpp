@@ -185,7 +185,7 @@ std::string PackedStorage::build(int64_t K, int64_t N, int64_t group_size, int b
   CodeLevels levels;
   if (!make_levels(bits, grid, &levels)) return "attribute 'grid': not a grid of codes of " + std::to_string(bits) + " bits";
   int top = 0;
-  for (int c = 0; c < (1 << bits); ++c) top = std::max(top, std::abs(bits <= kLevelBits ? levels.q[c] : c - (1 << (bits - 1))));
+  for (int c = 0; c < (1 << bits); ++c) top = std::max(top, std::abs(code_q(bits, levels, c)));
   std::string problem = check_attributes(K, N, group_size, bits, top, packed, scales, scale_type, super_scales, bias);
   if (!problem.empty()) return problem;
 
