@@ -6,9 +6,13 @@ weight overridable, run in plain ONNX Runtime) over the calibration batches:
 1. one run per batch with FP32 weights: the reference outputs and, per candidate whose input
    is a main-graph tensor, the per-input-channel power ``E[x_k^2]`` (method ``gptq``: the whole
    ``X^T X``, GPTQ's statistics);
-2. a *damage* per layer and width b in ``WIDTHS`` (FP32 has none): ``1 - cosine`` of the
-   outputs (of ``logits`` alone when the model has that output: an LLM's KV-cache outputs
-   would outnumber it) with only that layer at b bits, averaged over the calibration rows. Two measures:
+2. a *damage* per layer and width b in ``WIDTHS`` (FP32 has none), with only that layer at b
+   bits: when the model has a ``logits`` output (an LLM; its KV-cache outputs would outnumber
+   it), the KL divergence of the next-token distributions from FP32's, averaged over every
+   position (what perplexity pays: a cosine of a window's logits weighs the whole vocabulary's
+   logits alike, and on SmolLM2 it sent the tied LM head to 2 bits at a budget of 3.0, 4.15x
+   the 4-bit RTN gap); else ``1 - cosine`` of the outputs, averaged over the calibration rows.
+   Two measures:
 
    * ``exact``: one run per layer and width (``L * len(WIDTHS)`` runs);
    * ``proxy``: no run: the layer's relative output error on its inputs,
@@ -54,6 +58,7 @@ import numpy as np
 import onnx
 
 from ..contract import DEFAULT_BITS, SUPPORTED_BITS
+from ..metrics import row_kl
 from ..ops.reference import dequantize
 from .calibration import spilled
 from .fold import NotFoldable, Scope
@@ -105,6 +110,7 @@ class WidthAllocation:
     mean_cosine_probe: float | None = None
     cosine_exported: float | None = None
     runs: int = 0
+    damage: str = "1 - cosine"  # what a layer's damage measures (the logits' KL for an LLM)
     rank_correlation: float | None = None  # Spearman, proxy vs exact damage at 4 bits (when both were measured)
     rule_choice: RuleChoice | None = None  # scale rule "auto": each rule's mean cosine, every layer at 4 bits
 
@@ -119,7 +125,7 @@ class WidthAllocation:
             for b, n in sorted(counts.items(), key=lambda x: 99 if x[0] is None else x[0])
         )
         lines = [
-            f"  bits auto: {goal}, sensitivity {self.sensitivity}, method {self.method}, "
+            f"  bits auto: {goal}, sensitivity {self.sensitivity} ({self.damage}), method {self.method}, "
             f"scale rule {self.scale_rule} ({self.runs} model runs)",
             f"    {len(self.layers)} layer(s): {mix}; {self.bits_per_weight:.3f} bits per weight incl. scales",
         ]
@@ -157,8 +163,9 @@ def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None)
         step = max(1, _COLUMN_BYTES // (8 * len(w)))  # an LM head's [K, N] error would be hundreds of MB at once
         for n0 in range(0, qw.n, step):
             w64 = w[:, n0 : n0 + step].astype(np.float64)
-            part = dequantize(qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.k, qw.group_size, qw.bits,
-                              grid=qw.grid)
+            part = dequantize(
+                qw.packed[n0 : n0 + step], qw.scales[n0 : n0 + step], qw.k, qw.group_size, qw.bits, grid=qw.grid
+            )
             e = part - w64
             err += float(np.einsum("kn,kn->", h @ e, e))
             ref += float(np.einsum("kn,kn->", h @ w64, w64))
@@ -335,6 +342,15 @@ def allocate(
         rows = probe.cosines(layers, weights, scored=scored)
         return float(np.mean(1.0 - rows)) if rows.size else 0.0, float(rows.min()) if rows.size else 1.0
 
+    report.damage = "KL of the logits" if scored else "1 - cosine"
+
+    def damage(weights: Mapping[str, QuantizedWeight], layers: Sequence[int]) -> float:
+        """The sensitivity's damage of ``layers`` at ``weights``: mean KL of the logits if any, else 1 - cosine."""
+        if not scored:
+            return mean_damage(weights, layers)[0]
+        rows = probe.compared(layers, weights, row_kl, scored=scored)
+        return float(np.mean(rows)) if rows.size else 0.0
+
     rule = options.scale_rule
     if rule == "auto":  # the rule closest to FP32 with every layer at 4 bits (as calibrate's choice)
         tried = {}
@@ -360,7 +376,7 @@ def allocate(
             qw = quantized(i, b, rule)
             proxy[i][b] = relative_error(c.w, qw, weighting)
             if mode == "exact" or b == DEFAULT_BITS:
-                measured[i][b] = mean_damage({c.key: qw}, [i])[0]
+                measured[i][b] = damage({c.key: qw}, [i])
             del qw
     if mode == "proxy":
         # The layer's exact damage at 4 bits, carried to the other widths by its weight error's ratio.

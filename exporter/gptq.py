@@ -22,8 +22,8 @@ Details, as in the reference implementation:
   whole weight when float16 cannot hold one of them or of its super-scales) as soon as they are
   chosen, so the sweep rounds and spreads the error against the scales the op will read. int8
   scales: when the sweep reaches the first group of a run of ``SUPER_GROUPS`` groups, the run's
-  float16 super-scale is taken from the rule's scales of the run's weights as the sweep has
-  updated them so far (``contract.int8_scales``; with ``act_order``, whose scales are all chosen
+  float16 super-scale is taken from the rule's scales (weighted as above) of the run's weights as
+  the sweep has updated them so far (``contract.int8_scales``; with ``act_order``, whose scales are all chosen
   first, from the weights before the sweep), and each scale chosen in the run is rounded to an
   int8 multiple of it (``contract.int8_multiple``: within +-127, a nonzero scale never 0);
 * ``act_order``: channels are swept by decreasing ``H[k, k]`` ("static groups": every group's
@@ -171,9 +171,10 @@ def gptq_quantize(
             wt[:, :k] = w[:, r0 : r0 + step].T
             # int8: every run's super-scale from the weights before the sweep; without act order the
             # sweep sets each run's again when it gets there (_sweep).
-            blocks = wt.reshape(len(wt), groups, group_size)
-            rows_supers = _super_scales(blocks, scale_rule, bits, grid) if int8 else None
+            rows_supers = np.empty((len(wt), supers.shape[1]), dtype=np.float16) if int8 else None
             chosen = _Chooser(scale_rule, scale_dtype, bits, rows_supers, grid, f.importance, group_size)
+            if rows_supers is not None:
+                rows_supers[:] = _super_scales(chosen.rule_scales(wt.reshape(len(wt), groups, group_size), 0))
             s = chosen(wt.reshape(len(wt), groups, group_size), 0) if static else None
             q, s = _sweep(wt[:, perm], u, perm, group_size, chosen, block, s)
             codes = np.empty_like(q)
@@ -189,9 +190,9 @@ def gptq_quantize(
     )
 
 
-def _super_scales(blocks: np.ndarray, scale_rule: str, bits: int, grid: str = DEFAULT_GRID) -> np.ndarray:
-    """float16 super-scales [rows, supers] of the rule's scales of ``blocks`` [rows, groups, group_size]."""
-    encoded = int8_scales(group_scales(blocks, scale_rule, bits, grid))
+def _super_scales(scales: np.ndarray) -> np.ndarray:
+    """float16 super-scales [rows, supers] of the rule's ``scales`` [rows, groups]."""
+    encoded = int8_scales(scales)
     if encoded is None:
         raise _NotStorable
     return encoded[1]
@@ -216,13 +217,17 @@ class _Chooser:
     importance: np.ndarray | None = None  # Factor.importance: the mse rule's weights per input channel
     group_size: int = 0
 
-    def __call__(self, blocks: np.ndarray, g0: int) -> np.ndarray:
-        """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
+    def rule_scales(self, blocks: np.ndarray, g0: int) -> np.ndarray:
+        """The rule's float scales of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on."""
         weights = None
         if self.importance is not None:
             span = self.importance[g0 * self.group_size : (g0 + blocks.shape[1]) * self.group_size]
             weights = span.reshape(1, blocks.shape[1], self.group_size)
-        s = group_scales(blocks, self.scale_rule, self.bits, self.grid, weights)
+        return group_scales(blocks, self.scale_rule, self.bits, self.grid, weights)
+
+    def __call__(self, blocks: np.ndarray, g0: int) -> np.ndarray:
+        """Scales [rows, groups] of ``blocks`` [rows, groups, group_size], the groups from ``g0`` on, as stored."""
+        s = self.rule_scales(blocks, g0)
         if self.supers is not None:
             step = int8_steps(self.supers, g0 + s.shape[1])[:, g0:]
             return int8_multiple(s, step).astype(np.float32) * step
@@ -233,7 +238,7 @@ class _Chooser:
     def start_run(self, blocks: np.ndarray, run: int) -> None:
         """int8 scales: run ``run``'s super-scales from its groups' weights ``blocks`` [rows, groups, group_size]."""
         if self.supers is not None:
-            self.supers[:, run] = _super_scales(blocks, self.scale_rule, self.bits, self.grid)[:, 0]
+            self.supers[:, run] = _super_scales(self.rule_scales(blocks, run * SUPER_GROUPS))[:, 0]
 
 
 def _sweep(

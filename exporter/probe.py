@@ -11,7 +11,7 @@ holds one copy of the weights, not two.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -144,6 +144,17 @@ class Probe:
 
         ``scored``: the indices of the outputs compared (default: every output).
         """
+        return self.compared(layers, weights, row_cosines, parts, scored)
+
+    def compared(
+        self,
+        layers: Sequence[int],
+        weights: Mapping[str, QuantizedWeight],
+        measure: Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], np.ndarray],
+        parts: Sequence[Part] | None = None,
+        scored: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """``measure(reference, outputs)`` of each batch, concatenated; ``layers`` in INT4 as in ``cosines``."""
         int4 = {}
         codes = len(layers) > 1  # one layer: its float32 weight (ORT's in-graph dequantization holds two copies)
         for i in layers:
@@ -161,7 +172,7 @@ class Probe:
             if rows is not None:  # the rows of the first axis asked for, in every output that has them
                 n = batch_rows(self.batches[b])
                 reference, outputs = [rows_of(r, rows, n) for r in reference], [rows_of(o, rows, n) for o in outputs]
-            found.append(row_cosines(reference, outputs))
+            found.append(measure(reference, outputs))
             del reference, outputs  # not alive beside the next batch's (an LLM's logits: 100 MB and more each)
         return np.concatenate(found) if found else np.ones(0)
 

@@ -216,6 +216,27 @@ def test_an_llm_is_scored_on_its_logits_alone() -> None:
     assert logits[0] < 1.0 and np.mean(1 - every) < 1 - logits[0]  # the head's error, diluted by the KV outputs
     _, summary = export_with_summary(model, feeds=feeds, bits="auto", bits_budget=5.0, scale_rule="signed")
     assert summary.allocation.bits_per_weight <= 5.0
+    assert summary.allocation.damage == "KL of the logits" and "(KL of the logits)" in summary.format()
+
+
+def test_damage_on_logits_is_their_kl(monkeypatch) -> None:
+    """With logits, a layer's damage is the mean KL of the next-token distributions (what perplexity pays), not a cosine."""
+    import cim_int4.exporter.allocate as allocate
+    from cim_int4.metrics import row_kl
+
+    _, model, feeds = _genai_decoder("llama-fp32")
+    measures = []
+    real = allocate.Probe.compared
+
+    def compared(self, layers, weights, measure, parts=None, scored=None):
+        measures.append(measure)
+        return real(self, layers, weights, measure, parts, scored)
+
+    monkeypatch.setattr(allocate.Probe, "compared", compared)
+    _, summary = export_with_summary(
+        model, feeds=feeds, bits="auto", bits_budget=5.0, scale_rule="signed", bits_sensitivity="exact"
+    )
+    assert measures.count(row_kl) == len(summary.allocation.layers) * len(allocate.WIDTHS)
 
 
 def test_a_head_tied_through_a_transpose_gives_its_width_to_the_table() -> None:

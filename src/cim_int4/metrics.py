@@ -1,4 +1,5 @@
-"""How close outputs are to their references: the package's one cosine (validation and the sensitivity analysis).
+"""How close outputs are to their references: the package's one cosine (validation and the sensitivity analysis),
+and the KL divergence of an LLM's next-token distributions (``bits="auto"``'s damage on logits).
 
 The rule for non-finite values, everywhere: at a position where both sides hold the same
 non-finite value (the -inf of an attention mask, or NaN and NaN) they agree, and the position
@@ -59,6 +60,46 @@ def row_cosines(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) 
     """Cosine similarity of every row (index of the first axis) of every float output with its reference."""
     found = [cosines(r, o) for r, o in _rows(reference, outputs)]
     return np.concatenate(found) if found else np.ones(0)
+
+
+def kl_divergences(r: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """Per row of ``r`` [rows, positions, n]: the mean over positions of ``KL(softmax(r) || softmax(o))``.
+
+    float64, a chunk of positions at a time. A class with probability 0 on the reference side (``-inf``)
+    adds nothing; anything else non-finite, or probability only the output side takes away, is ``inf``.
+    """
+    rows, positions, n = r.shape
+    total = np.zeros(rows)
+    step = max(1, _CHUNK // max(rows * n, 1))
+    for p in range(0, positions, step):
+        lr = _log_softmax(r[:, p : p + step].astype(np.float64))
+        lo = _log_softmax(o[:, p : p + step].astype(np.float64))
+        pr = np.exp(lr)
+        with np.errstate(invalid="ignore"):
+            terms = np.where(pr > 0, pr * (lr - lo), 0.0)
+        kl = terms.sum(axis=-1)
+        total += np.where(np.isnan(kl), np.inf, kl).sum(axis=1)
+    return total / max(positions, 1)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """``log(softmax(x))`` along the last axis (NaN where a position has no finite maximum or holds NaN)."""
+    top = x.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        shifted = x - top
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def row_kl(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """``kl_divergences`` of every row (index of the first axis) of every float output, the last axis the classes."""
+    found = []
+    for ref, out in zip(reference, outputs, strict=True):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.dtype.kind != "f" or ref.size == 0:
+            continue
+        rows = 1 if ref.ndim < 2 else ref.shape[0]
+        found.append(kl_divergences(ref.reshape(rows, -1, ref.shape[-1]), out.reshape(rows, -1, out.shape[-1])))
+    return np.concatenate(found) if found else np.zeros(0)
 
 
 def row_rel_l2(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
