@@ -20,7 +20,7 @@ from .io import ModelFileError, read_model
 from .memory import bounded_heap
 from .options import CALIBRATED, ExportOptions
 from .rewrite import rewrite_model
-from .rotate import NotRotatable, RotationSummary, rotate_residual
+from .rotate import FOLD_BITS, NotRotatable, RotationSummary, rotate_residual
 from .sensitivity import export_mixed
 from .simplify import simplify_model
 from .summary import ExportSummary
@@ -236,9 +236,21 @@ def _rotate(model: onnx.ModelProto) -> RotationSummary:
 
 
 def _after_rotation(options: ExportOptions, rotation: RotationSummary) -> ExportOptions:
-    """The options of the export that follows a rotation: the tied head's fold stays FP32 (exact, hidden^2 floats)."""
-    exclude = (*options.exclude, re.escape(rotation.fold_node)) if rotation.fold_node else options.exclude
-    return options.with_(rotate=False, exclude=exclude)
+    """The options of the export that follows a rotation: the tied head's fold at ``FOLD_BITS``.
+
+    A ``bits`` pattern that matches the fold gives it that width instead; under ``bits="auto"``
+    the fold is a layer like the others and the allocation gives it a width.
+    """
+    bits, fold = options.bits, rotation.fold_node
+    if not fold or bits == AUTO:
+        return options.with_(rotate=False)
+    if isinstance(bits, tuple):
+        if any(p == fold or re.fullmatch(p, fold) for p, _ in bits):
+            return options.with_(rotate=False)
+        pairs = bits
+    else:
+        pairs = ((".*", bits),)  # widths.describe names a last ".*" "others"
+    return options.with_(rotate=False, bits=((re.escape(fold), FOLD_BITS), *pairs))
 
 
 def _report(summary: ExportSummary, quiet: bool) -> None:

@@ -94,5 +94,8 @@ def bits_per_weight(k: int, n: int, group_size: int, bits: int | None, scale_dty
 def describe(bits: Bits) -> str:
     """The option as the summary names it."""
     if isinstance(bits, tuple):
-        return ", ".join(f"{p}={b}" for p, b in bits) + f" (others {DEFAULT_BITS})"
+        others = DEFAULT_BITS
+        if bits and bits[-1][0] == ".*":  # a last catch-all is the others' width
+            bits, others = bits[:-1], bits[-1][1]
+        return ", ".join(f"{p}={b}" for p, b in bits) + f" (others {others})"
     return str(bits)

@@ -220,8 +220,9 @@ def test_an_llm_is_scored_on_its_logits_alone() -> None:
 
 
 def test_damage_on_logits_is_their_kl(monkeypatch) -> None:
-    """With logits, a layer's damage is the mean KL of the next-token distributions (what perplexity pays), not a cosine."""
+    """With logits, a layer's damage is the mean KL of the next-token distributions (what perplexity pays)."""
     import cim_int4.exporter.allocate as allocate
+
     from cim_int4.metrics import row_kl
 
     _, model, feeds = _genai_decoder("llama-fp32")

@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportError, export_int4, export_with_summary, load_model
-from cim_int4.exporter.rotate import ROTATION_FOLD, NotRotatable, orthogonal, rotate_residual
+from cim_int4.exporter.rotate import FOLD_BITS, ROTATION_FOLD, NotRotatable, orthogonal, rotate_residual
 from conftest import init, model_of, w
 from onnx import helper, numpy_helper
 
@@ -63,7 +63,7 @@ def test_rotation_keeps_the_builders_model_the_same_function(folder: str) -> Non
     assert (summary.fold_node == ROTATION_FOLD) == bool(fold) == (folder == "llama-tied-fp32")
 
 
-def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_fp32(tmp_path: Path) -> None:
+def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_at_8_bits(tmp_path: Path) -> None:
     src = GENAI / "llama-tied-fp32" / "model.onnx"
     model = load_model(src)
     out = tmp_path / "rot.onnx"
@@ -73,7 +73,8 @@ def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_fp32(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rot.onnx", "rot.onnx.data"]
     q = load_model(out)
     fold = [n for n in q.graph.node if n.name == ROTATION_FOLD]
-    assert [n.op_type for n in fold] == ["MatMul"]  # left FP32: exact, hidden x hidden
+    assert [n.op_type for n in fold] == [OP_TYPE]
+    assert {a.name: a.i for a in fold[0].attribute}["bits"] == FOLD_BITS  # near exact, hidden x hidden
     assert sum(n.op_type == OP_TYPE for n in q.graph.node) > 4
     # The head reads the table's int4 tensors (stored once), as without rotation.
     tables = [t for t in q.graph.initializer if t.data_type == onnx.TensorProto.UINT8 and t.dims[0] == 1000]
@@ -88,6 +89,18 @@ def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_fp32(tmp_path: 
     _, summary = export_with_summary(model, rotate=True, method="gptq", feeds=calib)
     assert model.SerializeToString() == before
     assert "rotation: hidden 64" in summary.format() and "final_norm_fold" in summary.format()
+
+
+@pytest.mark.parametrize(
+    ("bits", "fold_bits"),
+    [(3, FOLD_BITS), ({"rotation/final_norm_fold": 6, ".*": 3}, 6), ({"/lm_head/MatMul": 5}, FOLD_BITS)],
+)
+def test_the_fold_gets_its_own_width_unless_bits_names_it(bits, fold_bits: int) -> None:
+    model = load_model(GENAI / "llama-tied-fp32" / "model.onnx")
+    calib = genai_feeds(model, [5, 60, 700, 21, 900, 2, 33, 444])
+    q, summary = export_with_summary(model, rotate=True, bits=bits, method="gptq", feeds=calib)
+    fold = next(n for n in q.graph.node if n.name == ROTATION_FOLD)
+    assert {a.name: a.i for a in fold.attribute}.get("bits", 4) == fold_bits, summary.format()
 
 
 # ---------------------------------------------------------------- graphs it refuses, in one line
