@@ -18,14 +18,20 @@ import numpy as np
 _CHUNK = 1 << 20
 
 
-def _rows(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """[rows, -1] views of each float output and its reference, a row per index of the first axis."""
+def _rows(
+    reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray], classes: bool = False
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """[rows, -1] views of each float output and its reference, a row per index of the first axis.
+
+    ``classes``: [rows, -1, n] views, the last axis (n) kept apart.
+    """
     for ref, out in zip(reference, outputs, strict=True):
         ref, out = np.asarray(ref), np.asarray(out)
         if ref.dtype.kind != "f" or ref.size == 0:
             continue
         rows = 1 if ref.ndim < 2 else ref.shape[0]
-        yield ref.reshape(rows, -1), out.reshape(rows, -1)
+        shape = (rows, -1, ref.shape[-1]) if classes else (rows, -1)
+        yield ref.reshape(shape), out.reshape(shape)
 
 
 def cosines(r: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -92,13 +98,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def row_kl(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> np.ndarray:
     """``kl_divergences`` of every row (index of the first axis) of every float output, the last axis the classes."""
-    found = []
-    for ref, out in zip(reference, outputs, strict=True):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        rows = 1 if ref.ndim < 2 else ref.shape[0]
-        found.append(kl_divergences(ref.reshape(rows, -1, ref.shape[-1]), out.reshape(rows, -1, out.shape[-1])))
+    found = [kl_divergences(r, o) for r, o in _rows(reference, outputs, classes=True)]
     return np.concatenate(found) if found else np.zeros(0)
 
 
