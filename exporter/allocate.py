@@ -17,8 +17,12 @@ weight overridable, run in plain ONNX Runtime) over the calibration batches:
    * ``exact``: one run per layer and width (``L * len(WIDTHS)`` runs);
    * ``proxy``: no run: the layer's relative output error on its inputs,
      ``sum_k E[x_k^2] sum_n e[k, n]^2 / sum_k E[x_k^2] sum_n w[k, n]^2`` (e the weight error),
-     scaled per layer to the exact damage at 4 bits (``L`` runs, one per layer), so that
-     layers are compared at the model's output and widths by the weight error. With method
+     scaled per layer to the exact damage at one *anchor* width (``L`` runs, one per layer), so
+     that layers are compared at the model's output and widths by the weight error. The anchor
+     (``anchor_width``) is the widest width at or under the budget (3 for a budget of 3.0, 4 for
+     4.5; 4 without a budget): the choices a budget leaves open are between the widths next to
+     it, and the further the proxy carries a damage the less it holds (a logit's KL grows faster
+     than the weight error at 2 bits). With method
      ``gptq`` every width is quantized by GPTQ and the relative error is taken under the
      layer input's whole ``X^T X`` (``tr(E^T H E) / tr(W^T H W)``, the output error GPTQ
      minimises: its codes trade raw weight error for error along the inputs' quiet directions);
@@ -111,7 +115,8 @@ class WidthAllocation:
     cosine_exported: float | None = None
     runs: int = 0
     damage: str = "1 - cosine"  # what a layer's damage measures (the logits' KL for an LLM)
-    rank_correlation: float | None = None  # Spearman, proxy vs exact damage at 4 bits (when both were measured)
+    rank_correlation: float | None = None  # Spearman, proxy vs exact damage at the anchor (when both were measured)
+    anchor: int = DEFAULT_BITS  # the width whose damage the proxy measures exactly (anchor_width)
     rule_choice: RuleChoice | None = None  # scale rule "auto": each rule's mean cosine, every layer at 4 bits
 
     def format(self) -> str:
@@ -137,7 +142,8 @@ class WidthAllocation:
                 "(dequantized weights in ORT)"
             )
         if self.rank_correlation is not None:
-            lines.append(f"    proxy vs exact damage at 4 bits: Spearman rank correlation {self.rank_correlation:.3f}")
+            spearman_at = f"proxy vs exact damage at {self.anchor} bits: Spearman rank correlation"
+            lines.append(f"    {spearman_at} {self.rank_correlation:.3f}")
         if self.cosine_exported is not None:
             lines.append(f"    exported model: cosine {self.cosine_exported:.6f}")
         return "\n".join(lines)
@@ -174,6 +180,13 @@ def relative_error(w: np.ndarray, qw: QuantizedWeight, power: np.ndarray | None)
     err, ref = np.einsum("kn,kn->k", e, e), np.einsum("kn,kn->k", w, w, dtype=np.float64)
     p = np.ones(w.shape[0]) if power is None else power.astype(np.float64)
     return float(p @ err / max(float(p @ ref), 1e-30))
+
+
+def anchor_width(budget: float | None) -> int:
+    """The width the proxy measures exactly: the widest in ``WIDTHS`` at or under ``budget``; DEFAULT_BITS without."""
+    if budget is None:
+        return DEFAULT_BITS
+    return max([b for b in WIDTHS if b <= budget] or [min(WIDTHS)])
 
 
 def _hull(points: list[tuple[float, float, int | None]]) -> list[tuple[float, float, int | None]]:
@@ -367,6 +380,7 @@ def allocate(
     if mode == "auto":
         mode = "exact" if len(candidates) * len(WIDTHS) <= EXACT_MAX_RUNS else "proxy"
     report.sensitivity = mode
+    anchor = report.anchor = anchor_width(options.bits_budget)
     proxy: list[dict[int, float]] = [{} for _ in layers]
     measured: list[dict[int, float]] = [{} for _ in layers]
     for i in layers:  # one quantization per layer and width; one run per width measured
@@ -375,17 +389,15 @@ def allocate(
         for b in WIDTHS:
             qw = quantized(i, b, rule)
             proxy[i][b] = relative_error(c.w, qw, weighting)
-            if mode == "exact" or b == DEFAULT_BITS:
+            if mode == "exact" or b == anchor:
                 measured[i][b] = damage({c.key: qw}, [i])
             del qw
     if mode == "proxy":
-        # The layer's exact damage at 4 bits, carried to the other widths by its weight error's ratio.
+        # The layer's exact damage at the anchor, carried to the other widths by its weight error's ratio.
         for i in layers:
-            scale = measured[i][DEFAULT_BITS] / max(proxy[i][DEFAULT_BITS], 1e-30)
+            scale = measured[i][anchor] / max(proxy[i][anchor], 1e-30)
             measured[i] = {b: proxy[i][b] * scale for b in WIDTHS}
-    report.rank_correlation = spearman(
-        [measured[i][DEFAULT_BITS] for i in layers], [proxy[i][DEFAULT_BITS] for i in layers]
-    )
+    report.rank_correlation = spearman([measured[i][anchor] for i in layers], [proxy[i][anchor] for i in layers])
 
     tied = {} if options.keep_embedding else table_of_tied(model, probe, tensors)
     costs = []

@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter import export_with_summary
-from cim_int4.exporter.allocate import _hull, spearman, steps_in_order, within_budget
+from cim_int4.exporter.allocate import _hull, anchor_width, spearman, steps_in_order, within_budget
 from cim_int4.graphs import random_input
 from cim_int4.ops.reference import dequantize
 
@@ -52,6 +52,11 @@ def test_budget_allocation_spends_bytes_where_they_save_most() -> None:
     assert within_budget(start, steps, costs, damages, 4.0) == [2, 2]
     with pytest.raises(ValueError, match="below the cheapest"):
         within_budget(start, steps, costs, damages, 3.0)
+
+
+def test_the_proxy_is_anchored_at_the_widest_width_under_the_budget() -> None:
+    budgets = (None, 1.5, 2.0, 2.9, 3.0, 3.9, 4.5, 5.5, 7.9, 12.0)
+    assert [anchor_width(b) for b in budgets] == [4, 2, 2, 2, 3, 3, 4, 5, 6, 8]
 
 
 def test_spearman() -> None:
@@ -111,11 +116,27 @@ def test_proxy_and_exact_sensitivities_are_both_reported(llama) -> None:
         )
         allocation = summary.allocation
         assert allocation.sensitivity == mode and -1.0 <= allocation.rank_correlation <= 1.0
+        assert allocation.anchor == 4 and "exact damage at 4 bits" in summary.format()
         layer = allocation.layers[0]
         assert set(layer.damage) == {2, 3, 4, 5, 6, 8} and set(layer.proxy) == {2, 3, 4, 5, 6, 8}
         # more bits, less weight error, for every layer (the proxy is monotone in width)
         assert all(all(x.proxy[a] > x.proxy[b] for a, b in [(2, 3), (3, 4), (4, 5), (5, 6), (6, 8)])
                    for x in allocation.layers)  # fmt: skip
+
+
+def test_under_a_budget_of_three_the_proxy_measures_3_bits_exactly(llama) -> None:
+    model, feeds = llama
+    found = {}
+    for mode in ("exact", "proxy"):
+        _, summary = export_with_summary(
+            model, feeds=feeds, bits="auto", bits_budget=3.0, bits_sensitivity=mode, scale_rule="signed"
+        )
+        found[mode] = summary.allocation
+    proxy, exact = found["proxy"], found["exact"]
+    assert proxy.anchor == 3 and "exact damage at 3 bits" in proxy.format()
+    # the anchor's damage is the measured one; the others are carried from it by the weight error
+    assert [x.damage[3] for x in proxy.layers] == [x.damage[3] for x in exact.layers]
+    assert [x.damage[4] for x in proxy.layers] != [x.damage[4] for x in exact.layers]
 
 
 def test_auto_rule_under_a_budget_reports_its_choice(llama) -> None:
