@@ -54,17 +54,28 @@ class WeightFeeding:
         return self.session.get_inputs()
 
 
-def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True) -> dict[str, np.ndarray]:
+def _feeds_of(c: Candidate, qw: QuantizedWeight, codes: bool = True, tables: bool = True) -> dict[str, np.ndarray]:
     """What a run feeds to give candidate ``c`` the weight ``qw``: its codes (``Codes``) if asked and possible,
-    else its float32 weight."""
+    else its float32 weight; with ``tables``, the tied embedding tables that read ``c``'s weight its float32 weight
+    too (the export gives such a table the layer's codes)."""
     k, n = c.w.shape
+    tied = c.tables if tables else ()
+    w = weight32(qw) if tied else None
+    fed = _table_feeds(tied, w) if w is not None else {}
     if not codes or c.codes is None or qw.group_size != c.codes.group_size or (qw.k, qw.n) != (k, n):
-        return {c.weight_name: weight32(qw)}
+        return {c.weight_name: weight32(qw) if w is None else w, **fed}
     return {  # K is whole groups here (``Codes``): no padding to cut
         c.codes.select: np.array(True),
         c.codes.q: np.ascontiguousarray(unpack(qw.packed, qw.bits, qw.grid).T),  # [K, N] int8
         c.codes.scales: np.ascontiguousarray(qw.scales.astype(np.float32).T[:, None, :]),  # [G, 1, N]
+        **fed,
     }
+
+
+def _table_feeds(tables: Sequence[tuple[str, bool]], w: np.ndarray) -> dict[str, np.ndarray]:
+    """Each tied table's feed of weight ``w`` [K, N]: ``w`` itself, or a contiguous ``w.T`` where it is transposed."""
+    t = np.ascontiguousarray(w.T) if any(transposed for _, transposed in tables) else None
+    return {name: t if transposed else w for name, transposed in tables}
 
 
 def weight32(qw: QuantizedWeight) -> np.ndarray:
@@ -87,6 +98,9 @@ class Probe:
         tensors: TensorStore | None = None,
     ) -> None:
         probe, self.candidates = probe_model(model, options, tensors)
+        # A tied embedding table takes its head's codes in the export unless the embedding stays FP32: runs
+        # that quantize the head feed the table the same weight (its error reaches the logits twice).
+        self.tied_tables = not options.keep_embedding
         self.outputs = [o.name for o in probe.graph.output]
         readers = {
             n.input[1]: n.input[0]
@@ -116,6 +130,8 @@ class Probe:
         # is ~120 MB lower without it, and no slower (a one-layer comparison 3.2-3.9 s either way).
         quiet.enable_mem_pattern = False
         weights = {name: c.w for c in self.candidates for name in (c.weight_name, *c.also)}
+        for c in self.candidates:  # a table held transposed: its FP32 feed is a copy (the probe model has none)
+            weights.update({n: np.ascontiguousarray(c.w.T) for n, transposed in c.tables if transposed})
         self.session = WeightFeeding(proto_session(probe, quiet), weights) if self.candidates else None
         del probe
         release_memory()
@@ -158,7 +174,7 @@ class Probe:
         int4 = {}
         codes = len(layers) > 1  # one layer: its float32 weight (ORT's in-graph dequantization holds two copies)
         for i in layers:
-            int4.update(_feeds_of(self.candidates[i], weights[self.candidates[i].key], codes))
+            int4.update(_feeds_of(self.candidates[i], weights[self.candidates[i].key], codes, self.tied_tables))
         if self._weight_file is not None and sum(self.candidates[i].w.nbytes for i in layers) > MAP_WEIGHTS_BYTES:
             self._weight_file.evict()  # the run reads back only the FP32 weights it is fed
             release_memory()  # and finds no heap the earlier runs left free but resident

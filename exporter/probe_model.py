@@ -32,6 +32,10 @@ class Candidate:
     w: np.ndarray
     bias: np.ndarray | None
     also: tuple[str, ...] = ()  # other graph inputs fed with ``w`` (a tied embedding table's initializer)
+    # Inputs a Gather reads as its table (through Transpose/Identity/Cast), each with whether it holds ``w``
+    # transposed ([N, K]): the export gives such a table the layer's codes, so a run that quantizes the layer
+    # feeds them its quantized weight too (``Probe.compared``); FP32 runs feed ``w`` (or its transpose).
+    tables: tuple[tuple[str, bool], ...] = ()
     sources: tuple[str, ...] = ()  # the names the weight was read through
     name: str = ""  # the node's own name (its output's when unnamed), which a ``bits`` mapping also matches
     codes: Codes | None = None  # the inputs that make the product dequantize in the graph (None: feed W only)
@@ -179,8 +183,10 @@ class _Originals:
 
 
 def _is_stub(t: onnx.TensorProto) -> bool:
-    return not t.raw_data and t.data_location != onnx.TensorProto.EXTERNAL and not any(
-        (t.float_data, t.int32_data, t.int64_data, t.double_data, t.uint64_data, t.string_data)
+    return (
+        not t.raw_data
+        and t.data_location != onnx.TensorProto.EXTERNAL
+        and not any((t.float_data, t.int32_data, t.int64_data, t.double_data, t.uint64_data, t.string_data))
     )
 
 
@@ -240,28 +246,63 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
     """Turn an initializer still read by other nodes that equals a candidate's weight into an input fed with it.
 
     A tied LM head's weight is also the embedding table (behind a Transpose): without this the
-    session would hold a second FP32 copy of the largest tensor of the model.
+    session would hold a second FP32 copy of the largest tensor of the model. A table the head reads
+    through a Transpose (the head's weight transposed) becomes an input too when a Gather reads it, so
+    that a run can feed it the head's quantized weight (``Candidate.tables``).
     """
-    by_source = {c.sources[0]: i for i, c in enumerate(candidates) if len(c.sources) == 1}
-    inputs = {i.name for i in graph.input}
+    by_source = {c.sources[0]: i for i, c in enumerate(candidates) if c.sources}
+    inputs, gathered = {i.name for i in graph.input}, _gather_tables(graph)
     kept, shared = [], {}
     for t in graph.initializer:
         i = by_source.get(t.name) if t.name not in inputs else None
         c = None if i is None else candidates[i]
-        if c is None or t.data_type != onnx.TensorProto.FLOAT or tuple(t.dims) != c.w.shape:
+        dims = tuple(t.dims)
+        if c is None or t.data_type != onnx.TensorProto.FLOAT or dims not in (c.w.shape, c.w.shape[::-1]):
             kept.append(t)
             continue
-        if not np.array_equal(originals.read(t), c.w):
+        transposed = dims != c.w.shape
+        if (len(c.sources) != 1 and not transposed) or (transposed and t.name not in gathered):
             kept.append(t)
             continue
-        shared[t.name] = i
+        value = originals.read(t)
+        if not np.array_equal(value.T if transposed else value, c.w):
+            kept.append(t)
+            continue
+        shared[t.name] = (i, transposed)
     if not shared:
         return candidates
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    graph.input.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(candidates[i].w.shape))
-                       for n, i in shared.items())  # fmt: skip
+    for name, (i, transposed) in shared.items():
+        shape = candidates[i].w.shape
+        graph.input.append(
+            helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(shape[::-1] if transposed else shape))
+        )
     out = list(candidates)
-    for name, i in shared.items():
-        out[i] = replace(out[i], also=(*out[i].also, name))
+    for name, (i, transposed) in shared.items():
+        c = out[i]
+        also = c.also if transposed else (*c.also, name)  # a transposed table is fed from ``tables`` alone
+        tables = (*c.tables, (name, transposed)) if name in gathered else c.tables
+        out[i] = replace(c, also=also, tables=tables)
     return out
+
+
+# Nodes that pass a table on unchanged in value (a tied head's weight reaches its Gather through a Transpose).
+_TABLE_PASSES = ("Transpose", "Identity", "Cast")
+
+
+def _gather_tables(graph: onnx.GraphProto) -> set[str]:
+    """Names of ``graph`` a Gather reads as its data, directly or through ``_TABLE_PASSES`` nodes."""
+    made = {o: n for n in graph.node for o in n.output}
+    found: set[str] = set()
+    for n in graph.node:
+        if n.op_type != "Gather" or not n.input:
+            continue
+        name = n.input[0]
+        while True:
+            found.add(name)
+            node = made.get(name)
+            if node is None or node.op_type not in _TABLE_PASSES or not node.input:
+                break
+            name = node.input[0]
+    return found

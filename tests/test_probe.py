@@ -7,11 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from cim_int4.exporter import ExportOptions, quantize_weight
-from cim_int4.exporter.probe import Probe, weight32
+from cim_int4.exporter.probe import Probe, _feeds_of, weight32
 from cim_int4.graphs import random_input, single_matmul
 from cim_int4.ops.reference import dequantize
+from onnx import TensorProto, helper, numpy_helper
+
+from cim_int4.metrics import row_cosines
 
 MODELS = Path(__file__).parent / "models"
 
@@ -102,3 +106,53 @@ def test_bounded_heap_maps_large_blocks_inside_and_leaves_a_set_threshold_alone(
     with memory.bounded_heap():
         pass
     assert calls == []
+
+
+def _tied_model(transposed_table: bool) -> onnx.ModelProto:
+    """ids -> Gather(table) -> MatMul(head) -> logits, the table tied to the head's weight W [H, V]: stored as
+    the head's W read by the Gather through a Transpose (the genai builder), or as the table read by the head
+    through a Transpose (torch.onnx's dynamo export)."""
+    h, v = 64, 96
+    w = np.random.default_rng(3).standard_normal((h, v)).astype(np.float32)
+    if transposed_table:
+        init = numpy_helper.from_array(np.ascontiguousarray(w.T), "table")
+        nodes = [helper.make_node("Transpose", ["table"], ["w"], perm=[1, 0]),
+                 helper.make_node("Gather", ["table", "ids"], ["x"]),
+                 helper.make_node("MatMul", ["x", "w"], ["logits"], name="head")]  # fmt: skip
+    else:
+        init = numpy_helper.from_array(w, "w")
+        nodes = [helper.make_node("Transpose", ["w"], ["table"], perm=[1, 0]),
+                 helper.make_node("Gather", ["table", "ids"], ["x"]),
+                 helper.make_node("MatMul", ["x", "w"], ["logits"], name="head")]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 5, v])], [init],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("transposed_table", [False, True])
+def test_a_tied_heads_run_quantizes_its_embedding_table_too(transposed_table: bool) -> None:
+    model = _tied_model(transposed_table)
+    feeds = {"ids": np.random.default_rng(0).integers(0, 96, (2, 5)).astype(np.int64)}
+    probe = Probe(model, ExportOptions(), [feeds])
+    (c,) = probe.candidates
+    assert c.tables == ((model.graph.initializer[0].name, transposed_table),)
+    qw = quantize_weight(c.w, 32, "signed", 2, "float32")
+    # what the export computes: the head and its table both read the quantized weight
+    tied = onnx.ModelProto()
+    tied.CopyFrom(model)
+    w = weight32(qw)
+    tied.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(w.T) if transposed_table else w,
+                                                               tied.graph.initializer[0].name))  # fmt: skip
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    want = row_cosines(run(model), run(tied))
+    np.testing.assert_allclose(probe.cosines([0], {c.key: qw}), want, rtol=0, atol=1e-6)
+    # a run of several layers feeds the head its codes, and the table its float32 weight still
+    fed = _feeds_of(c, qw, codes=True)
+    assert c.codes is not None and c.codes.q in fed and c.weight_name not in fed
+    table = fed[model.graph.initializer[0].name]
+    assert np.array_equal(table, w.T if transposed_table else w) and table.flags.c_contiguous
+    # a kept FP32 embedding leaves the table alone
+    kept = Probe(model, ExportOptions(keep_embedding=True), [feeds]).cosines([0], {c.key: qw})
+    assert kept.min() > want.min() + 1e-3  # the head alone: less damage than head and table

@@ -5,7 +5,7 @@
 # gap on 8,192 tokens of the evaluation text (calibration: 8 windows of calib.txt). The "unweighted"
 # rows are those of main before the weighting (ecc36a4), rebuilt by checking that out. Since 2026-12-05
 # 16:00 the 3-bit rows carry the weighted super-scales and the 8-bit fold, and rot-gptq3n-auto300 is
-# bits="auto" at 3.0 with the KL damage and the fold as a candidate (the doc's auto rows took budget 2.93
+# bits="auto" at 3.0 with the KL damage, the proxy anchored at 3 bits and the fold as a candidate (the doc's auto rows took budget 2.93
 # with the fold FP32: the same 3.0 in all). bits="auto" alone takes 35-70 min on 2 vCPUs.
 #   tools/widths_grid_figures.sh [ROOT] [OUT]      # defaults /work/real and ROOT/widths-grid
 # ROOT as tools/real_llm_models.py and tools/real_llm_text.py leave it. Time on a 2-vCPU Zen 4: each
