@@ -261,7 +261,7 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
             kept.append(t)
             continue
         transposed = dims != c.w.shape
-        if (len(c.sources) != 1 and not transposed) or (transposed and t.name not in gathered):
+        if (len(c.sources) != 1 and not transposed) or (transposed and gathered.get(t.name) is not False):
             kept.append(t)
             continue
         value = originals.read(t)
@@ -282,7 +282,8 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
     for name, (i, transposed) in shared.items():
         c = out[i]
         also = c.also if transposed else (*c.also, name)  # a transposed table is fed from ``tables`` alone
-        tables = (*c.tables, (name, transposed)) if name in gathered else c.tables
+        # a table: the Gather reads w.T ([N, K], the head's rows), as the export ties them (allocate.table_of_tied)
+        tables = (*c.tables, (name, transposed)) if gathered.get(name) is (not transposed) else c.tables
         out[i] = replace(c, also=also, tables=tables)
     return out
 
@@ -291,18 +292,19 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
 _TABLE_PASSES = ("Transpose", "Identity", "Cast")
 
 
-def _gather_tables(graph: onnx.GraphProto) -> set[str]:
-    """Names of ``graph`` a Gather reads as its data, directly or through ``_TABLE_PASSES`` nodes."""
+def _gather_tables(graph: onnx.GraphProto) -> dict[str, bool]:
+    """Names of ``graph`` a Gather reads as its data, directly or through ``_TABLE_PASSES`` nodes, each with
+    whether the Gather's table is its transpose (an odd number of Transposes between)."""
     made = {o: n for n in graph.node for o in n.output}
-    found: set[str] = set()
+    found: dict[str, bool] = {}
     for n in graph.node:
         if n.op_type != "Gather" or not n.input:
             continue
-        name = n.input[0]
+        name, flipped = n.input[0], False
         while True:
-            found.add(name)
+            found[name] = flipped
             node = made.get(name)
             if node is None or node.op_type not in _TABLE_PASSES or not node.input:
                 break
-            name = node.input[0]
+            name, flipped = node.input[0], flipped ^ (node.op_type == "Transpose")
     return found

@@ -108,11 +108,11 @@ def test_bounded_heap_maps_large_blocks_inside_and_leaves_a_set_threshold_alone(
     assert calls == []
 
 
-def _tied_model(transposed_table: bool) -> onnx.ModelProto:
+def _tied_model(transposed_table: bool, v: int = 96) -> onnx.ModelProto:
     """ids -> Gather(table) -> MatMul(head) -> logits, the table tied to the head's weight W [H, V]: stored as
     the head's W read by the Gather through a Transpose (the genai builder), or as the table read by the head
     through a Transpose (torch.onnx's dynamo export)."""
-    h, v = 64, 96
+    h = 64
     w = np.random.default_rng(3).standard_normal((h, v)).astype(np.float32)
     if transposed_table:
         init = numpy_helper.from_array(np.ascontiguousarray(w.T), "table")
@@ -156,3 +156,12 @@ def test_a_tied_heads_run_quantizes_its_embedding_table_too(transposed_table: bo
     # a kept FP32 embedding leaves the table alone
     kept = Probe(model, ExportOptions(keep_embedding=True), [feeds]).cosines([0], {c.key: qw})
     assert kept.min() > want.min() + 1e-3  # the head alone: less damage than head and table
+
+
+def test_a_gather_of_the_heads_weight_untransposed_is_not_its_table() -> None:
+    model = _tied_model(transposed_table=False, v=64)
+    model.graph.node[1].input[0] = "w"  # the Gather reads W [H, V] itself: rows of H, not the head's V rows
+    model.graph.node.remove(model.graph.node[0])
+    probe = Probe(model, ExportOptions(), [{"ids": np.zeros((2, 5), dtype=np.int64)}])
+    (c,) = probe.candidates
+    assert c.also == ("w",) and c.tables == ()  # shared (one FP32 copy), but not quantized with the head
