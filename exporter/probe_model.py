@@ -261,30 +261,28 @@ def _share_weights(graph: onnx.GraphProto, candidates: list[Candidate], original
             kept.append(t)
             continue
         transposed = dims != c.w.shape
-        if (len(c.sources) != 1 and not transposed) or (transposed and gathered.get(t.name) is not False):
+        # a table: the Gather reads w.T ([N, K], the head's rows), as the export ties them (allocate.table_of_tied)
+        table = gathered.get(t.name) is (not transposed)
+        # the transposed form is shared only as a table; the weight itself as before (read through nothing else)
+        if not (table if transposed else len(c.sources) == 1):
             kept.append(t)
             continue
         value = originals.read(t)
         if not np.array_equal(value.T if transposed else value, c.w):
             kept.append(t)
             continue
-        shared[t.name] = (i, transposed)
+        shared[t.name] = (i, transposed, table)
     if not shared:
         return candidates
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    for name, (i, transposed) in shared.items():
-        shape = candidates[i].w.shape
-        graph.input.append(
-            helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(shape[::-1] if transposed else shape))
-        )
     out = list(candidates)
-    for name, (i, transposed) in shared.items():
+    for name, (i, transposed, table) in shared.items():
         c = out[i]
+        shape = list(c.w.shape[::-1] if transposed else c.w.shape)
+        graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
         also = c.also if transposed else (*c.also, name)  # a transposed table is fed from ``tables`` alone
-        # a table: the Gather reads w.T ([N, K], the head's rows), as the export ties them (allocate.table_of_tied)
-        tables = (*c.tables, (name, transposed)) if gathered.get(name) is (not transposed) else c.tables
-        out[i] = replace(c, also=also, tables=tables)
+        out[i] = replace(c, also=also, tables=(*c.tables, (name, transposed)) if table else c.tables)
     return out
 
 
