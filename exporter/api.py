@@ -24,7 +24,7 @@ from .rotate import FOLD_BITS, NotRotatable, RotationSummary, rotate_residual
 from .sensitivity import export_mixed
 from .simplify import simplify_model
 from .summary import ExportSummary
-from .widths import AUTO
+from .widths import AUTO, CATCH_ALL
 from .writer import OutputFiles, Progress, TensorStore
 
 ModelSource = str | os.PathLike | onnx.ModelProto
@@ -238,18 +238,20 @@ def _rotate(model: onnx.ModelProto) -> RotationSummary:
 def _after_rotation(options: ExportOptions, rotation: RotationSummary) -> ExportOptions:
     """The options of the export that follows a rotation: the tied head's fold at ``FOLD_BITS``.
 
-    A ``bits`` pattern that matches the fold gives it that width instead; under ``bits="auto"``
-    the fold is a layer like the others and the allocation gives it a width.
+    A ``bits`` pattern that matches the fold gives it that width instead, except the catch-all
+    ``.*`` (the user's "every other layer": the fold is ours, and at 3 bits it costs SmolLM2 more
+    than its 2-bit LM head); under ``bits="auto"`` the fold is a layer like the others and the
+    allocation gives it a width.
     """
     bits, fold = options.bits, rotation.fold_node
     if not fold or bits == AUTO:
         return options.with_(rotate=False)
     if isinstance(bits, tuple):
-        if any(p == fold or re.fullmatch(p, fold) for p, _ in bits):
+        if any(p == fold or (p != CATCH_ALL and re.fullmatch(p, fold)) for p, _ in bits):
             return options.with_(rotate=False)
         pairs = bits
     else:
-        pairs = ((".*", bits),)  # widths.describe names a last ".*" "others"
+        pairs = ((CATCH_ALL, bits),)
     return options.with_(rotate=False, bits=((re.escape(fold), FOLD_BITS), *pairs))
 
 

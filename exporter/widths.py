@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from ..contract import DEFAULT_BITS, SUPPORTED_BITS, check_bits, groups_of, supers_of
 
 AUTO = "auto"
+CATCH_ALL = ".*"  # a bits pattern naming every layer no earlier pattern named ("others")
 FP32_BITS = 32.0  # bits per weight of a layer left in float32
 SCALE_BITS = {"float32": 32, "float16": 16, "int8": 8}  # int8 adds a float16 super-scale per SUPER_GROUPS groups
 
@@ -95,7 +96,7 @@ def describe(bits: Bits) -> str:
     """The option as the summary names it."""
     if isinstance(bits, tuple):
         others = DEFAULT_BITS
-        if bits and bits[-1][0] == ".*":  # a last catch-all is the others' width
+        if bits and bits[-1][0] == CATCH_ALL:  # a last catch-all is the others' width
             bits, others = bits[:-1], bits[-1][1]
         return ", ".join(f"{p}={b}" for p, b in bits) + f" (others {others})"
     return str(bits)

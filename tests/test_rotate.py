@@ -93,7 +93,13 @@ def test_a_rotated_export_keeps_the_tied_table_once_and_the_fold_at_8_bits(tmp_p
 
 @pytest.mark.parametrize(
     ("bits", "fold_bits"),
-    [(3, FOLD_BITS), ({"rotation/final_norm_fold": 6, ".*": 3}, 6), ({"/lm_head/MatMul": 5}, FOLD_BITS)],
+    [
+        (3, FOLD_BITS),
+        ({"rotation/final_norm_fold": 6, ".*": 3}, 6),
+        ({"rotation/.*": 5, ".*": 3}, 5),
+        ({"/lm_head/MatMul": 5}, FOLD_BITS),
+        ({"/lm_head/MatMul": 2, ".*": 3}, FOLD_BITS),  # the catch-all is the user's other layers, not the fold
+    ],
 )
 def test_the_fold_gets_its_own_width_unless_bits_names_it(bits, fold_bits: int) -> None:
     model = load_model(GENAI / "llama-tied-fp32" / "model.onnx")
