@@ -276,6 +276,20 @@ def within_budget(
         widths[i], spent = b, spent + extra
 
 
+def carried(proxy: Mapping[int, float], exact: float, anchor: int) -> dict[int, float]:
+    """A layer's damage per width from the proxy: its ``exact`` damage at ``anchor``, carried to the other
+    widths by the ratio of its relative errors ``proxy`` (per width)."""
+    scale = exact / max(proxy[anchor], 1e-30)
+    return {b: error * scale for b, error in proxy.items()}
+
+
+def layer_costs(k: int, n: int, group_size: int, scale_dtype: str) -> dict[int | None, float]:
+    """Bytes of a [K, N] layer at each width in ``WIDTHS`` (codes and scales) and in FP32 (None)."""
+    cost: dict[int | None, float] = {b: bits_per_weight(k, n, group_size, b, scale_dtype) * k * n / 8 for b in WIDTHS}
+    cost[None] = FP32_BITS * k * n / 8
+    return cost
+
+
 def _weights(costs: Sequence[Mapping[int | None, float]]) -> float:
     """Weights of all layers (FP32 bytes / 4)."""
     return sum(c[None] for c in costs) / 4
@@ -393,19 +407,12 @@ def allocate(
                 measured[i][b] = damage({c.key: qw}, [i])
             del qw
     if mode == "proxy":
-        # The layer's exact damage at the anchor, carried to the other widths by its weight error's ratio.
         for i in layers:
-            scale = measured[i][anchor] / max(proxy[i][anchor], 1e-30)
-            measured[i] = {b: proxy[i][b] * scale for b in WIDTHS}
+            measured[i] = carried(proxy[i], measured[i][anchor], anchor)
     report.rank_correlation = spearman([measured[i][anchor] for i in layers], [proxy[i][anchor] for i in layers])
 
     tied = {} if options.keep_embedding else table_of_tied(model, probe, tensors)
-    costs = []
-    for c in candidates:
-        k, n = c.w.shape
-        cost: dict[int | None, float] = {b: bits_per_weight(k, n, gs, b, dtype) * k * n / 8 for b in WIDTHS}
-        cost[None] = FP32_BITS * k * n / 8
-        costs.append(cost)
+    costs = [layer_costs(*c.w.shape, gs, dtype) for c in candidates]
     damages = [{**m, None: 0.0} for m in measured]
     start, steps = steps_in_order(costs, damages)
     weights_total = _weights(costs)

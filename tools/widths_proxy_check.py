@@ -20,15 +20,21 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cim_int4.exporter import ExportOptions  # noqa: E402
-from cim_int4.exporter.allocate import relative_error, spearman, steps_in_order, within_budget  # noqa: E402
+from cim_int4.exporter.allocate import (  # noqa: E402
+    carried,
+    layer_costs,
+    relative_error,
+    spearman,
+    steps_in_order,
+    within_budget,
+)
 from cim_int4.exporter.methods import quantize_layer  # noqa: E402
 from cim_int4.exporter.probe import Probe  # noqa: E402
-from cim_int4.exporter.widths import FP32_BITS, bits_per_weight  # noqa: E402
 from measure_methods import calibration_windows  # noqa: E402
 
 from cim_int4.metrics import row_kl  # noqa: E402
 
-WIDTHS = (2, 3, 4)
+WIDTHS = (2, 3, 4)  # of allocate.WIDTHS, the ones a budget of 3.0 chooses between
 ANCHOR = 3
 BUDGET = 3.0
 
@@ -61,7 +67,7 @@ def main() -> None:
         print(i, c.key, {b: round(row["exact"][b], 4) for b in WIDTHS}, flush=True)
 
     def predicted(r: dict, b: int) -> float:
-        return r["rel"][b] * r["exact"][ANCHOR] / max(r["rel"][ANCHOR], 1e-30)
+        return carried(r["rel"], r["exact"][ANCHOR], ANCHOR)[b]
 
     report: dict = {"rows": rows}
     for b in (2, 4):
@@ -71,11 +77,11 @@ def main() -> None:
         report[f"proxy_at_{b}"] = found
         print(f"{b} bits, exact / proxy from {ANCHOR}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()))
 
-    costs = []
-    for r in rows:
-        size = r["k"] * r["n"]
-        costs.append({**{b: bits_per_weight(r["k"], r["n"], 64, b, "int8") * size / 8 for b in WIDTHS},
-                      None: FP32_BITS * size / 8})  # fmt: skip
+    costs = [
+        {b: cost for b, cost in layer_costs(r["k"], r["n"], options.group_size, options.scale_dtype).items()
+         if b is None or b in WIDTHS}
+        for r in rows
+    ]  # fmt: skip
     total = sum(c[None] for c in costs) / 4
     damages = {
         "proxy": [{**{b: predicted(r, b) for b in WIDTHS}, None: 0.0} for r in rows],
