@@ -252,7 +252,7 @@ def within_budget(
     spent = sum(c[b] for c, b in zip(costs, widths, strict=True))
     if spent > budget_bytes * (1 + 1e-9):
         raise ValueError(
-            f"bits_budget is below the cheapest allocation ({spent * 8 / _weights(costs):.3f} bits per weight "
+            f"bits_budget is below the cheapest allocation ({spent * 8 / total_weights(costs):.3f} bits per weight "
             "with every layer at its narrowest width)"
         )
     for s in steps:
@@ -290,7 +290,7 @@ def layer_costs(k: int, n: int, group_size: int, scale_dtype: str) -> dict[int |
     return cost
 
 
-def _weights(costs: Sequence[Mapping[int | None, float]]) -> float:
+def total_weights(costs: Sequence[Mapping[int | None, float]]) -> float:
     """Weights of all layers (FP32 bytes / 4)."""
     return sum(c[None] for c in costs) / 4
 
@@ -415,7 +415,7 @@ def allocate(
     costs = [layer_costs(*c.w.shape, gs, dtype) for c in candidates]
     damages = [{**m, None: 0.0} for m in measured]
     start, steps = steps_in_order(costs, damages)
-    weights_total = _weights(costs)
+    weights_total = total_weights(costs)
 
     last: dict[tuple[int, int], QuantizedWeight] = {}  # the previous allocation's weights (a bisection reuses most)
 

@@ -26,6 +26,7 @@ from cim_int4.exporter.allocate import (  # noqa: E402
     relative_error,
     spearman,
     steps_in_order,
+    total_weights,
     within_budget,
 )
 from cim_int4.exporter.methods import quantize_layer  # noqa: E402
@@ -66,12 +67,11 @@ def main() -> None:
         rows.append(row)
         print(i, c.key, {b: round(row["exact"][b], 4) for b in WIDTHS}, flush=True)
 
-    def predicted(r: dict, b: int) -> float:
-        return carried(r["rel"], r["exact"][ANCHOR], ANCHOR)[b]
+    predicted = [carried(r["rel"], r["exact"][ANCHOR], ANCHOR) for r in rows]  # per row, per width
 
     report: dict = {"rows": rows}
     for b in (2, 4):
-        exact, proxy = [r["exact"][b] for r in rows], [predicted(r, b) for r in rows]
+        exact, proxy = [r["exact"][b] for r in rows], [p[b] for p in predicted]
         ratio = np.array(exact) / np.maximum(np.array(proxy), 1e-30)
         found = {"spearman": spearman(exact, proxy), **{f"p{q}": float(np.percentile(ratio, q)) for q in (10, 50, 90)}}
         report[f"proxy_at_{b}"] = found
@@ -82,9 +82,9 @@ def main() -> None:
          if b is None or b in WIDTHS}
         for r in rows
     ]  # fmt: skip
-    total = sum(c[None] for c in costs) / 4
+    total = total_weights(costs)
     damages = {
-        "proxy": [{**{b: predicted(r, b) for b in WIDTHS}, None: 0.0} for r in rows],
+        "proxy": [{**p, None: 0.0} for p in predicted],
         "exact": [{**r["exact"], None: 0.0} for r in rows],
     }
     for name, damage in damages.items():
