@@ -12,7 +12,7 @@ import pytest
 from cim_int4.cli import main
 from cim_int4.genai import prepare
 from cim_int4.genai_bench import decoder_file
-from cim_int4.op_profile import BETWEEN, EMBEDDING, LM_HEAD, breakdown, node_roles
+from cim_int4.op_profile import BETWEEN, EMBEDDING, LM_HEAD, bind_step, breakdown, node_roles
 from cim_int4.perplexity import PerplexityError, open_model
 
 FIXTURES = Path(__file__).parent / "genai"  # made by tests/genai/make_models.py
@@ -42,12 +42,49 @@ def test_a_decode_step_after_a_cached_prefix_feeds_consistent_shapes() -> None:
     assert logits.shape[:2] == (1, 1) and np.isfinite(logits).all()
 
 
+def test_a_step_is_bound_as_genai_runs_it_the_present_written_into_the_past_buffer() -> None:
+    """past_present_share_buffer: one buffer per layer's key / value, the new token written in place."""
+    model = open_model(FP32)
+    assert sorted(model.shared_kv.items()) == sorted(
+        (f"present.{i}.{kind}", f"past_key_values.{i}.{kind}") for i in range(2) for kind in ("key", "value")
+    )
+    past = 7
+    binding = bind_step(model, past)
+    model.session.run_with_iobinding(binding)
+    names = [o.name for o in model.session.get_outputs()]
+    shared = binding.get_outputs()[names.index("logits")].numpy()
+    fed = model.session.run(["logits"], model.feeds_for(np.array([1], dtype=np.int64), past))[0]
+    np.testing.assert_allclose(shared, fed, rtol=1e-5, atol=1e-5)
+    for buffer in binding.kv_buffers.values():
+        assert buffer.shape[2] == past + 1
+        assert not buffer[:, :, :past].any() and buffer[:, :, past].any()  # the step's key / value, in place
+
+
+def test_a_decoder_without_its_genai_config_is_fed_its_cache_and_gives_the_same_logits(tmp_path: Path) -> None:
+    alone = tmp_path / "decoder.onnx"
+    decoder = onnx.load(decoder_file(FP32))
+    for inp in decoder.graph.input:  # the heads and head size genai_config.json gave, now static
+        if inp.name.startswith("past_key_values"):
+            dims = inp.type.tensor_type.shape.dim
+            dims[1].dim_value, dims[3].dim_value = 2, 16
+    onnx.save(decoder, alone)
+    model = open_model(alone)
+    assert model.shared_kv == {}
+    binding = bind_step(model, 7)
+    model.session.run_with_iobinding(binding)
+    assert not hasattr(binding, "kv_buffers")
+    logits = binding.get_outputs()[[o.name for o in model.session.get_outputs()].index("logits")].numpy()
+    shared = open_model(FP32)
+    reference = shared.session.run(["logits"], shared.feeds_for(np.array([1], dtype=np.int64), 7))[0]
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_fp32_and_cim_int4_decoders_are_broken_down_by_role(tmp_path: Path) -> None:
     fp32 = breakdown(FP32, past=16, steps=3, threads=1)
     assert fp32.nodes[LM_HEAD] == 1 and fp32.nodes[EMBEDDING] == 1 and fp32.nodes["MatMul"] > 0
     assert all(us >= 0 for us in fp32.rows.values()) and fp32.rows[LM_HEAD] > 0
     assert fp32.step_us > 0 and BETWEEN in fp32.rows
-    assert fp32.unprofiled_step_us > 0
+    assert fp32.unprofiled_step_us > 0 and fp32.shared_kv
     # Every row but the time between nodes also less the profiler's measured cost of each of its nodes.
     assert set(fp32.rows_less_profiler) == set(fp32.rows) - {BETWEEN}
     for row, less in fp32.rows_less_profiler.items():

@@ -3,25 +3,26 @@
     python tools/step_ab.py [--threads 1 2] [--rounds 30] [--past 32] LABEL=SOURCE ...
 
 SOURCE is an ONNX causal LM or a genai folder (``cim_int4.perplexity.open_model``). Each model's
-feeds (one token after ``past`` cached tokens) are bound once with IOBinding, as a C++ caller runs
-them, so no numpy copies are timed. Per round each model runs a block of 10 steps (the block's
-median kept), after a 20 ms pause so the previous session's pool threads stop spinning: sessions
-alternated step by step steal each other's second core on a 2-vCPU guest. Reports each model's
-median over rounds and the median over rounds of the first model's block time over this one's (a
-speed ratio; the figure to trust on a shared host), with the CPU's model name. No profiler: it
-adds several microseconds per node (``cim_int4.op_profile``).
+step (one token after ``past`` cached tokens) is bound once with IOBinding, as a C++ caller runs
+it, the KV cache in one buffer with the present outputs where genai shares them
+(``cim_int4.op_profile.bind_step``), so no numpy copies are timed. Per round each model runs a
+block of 10 steps (the block's median kept), after a 20 ms pause so the previous session's pool
+threads stop spinning: sessions alternated step by step steal each other's second core on a 2-vCPU
+guest. Reports each model's median over rounds and the median over rounds of the first model's
+block time over this one's (a speed ratio; the figure to trust on a shared host), with the CPU's
+model name. No profiler: it adds several microseconds per node (``cim_int4.op_profile``). The
+LABEL=SOURCE words may come before or after the options.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
-import numpy as np
-
 from cim_int4.bench.machine import cpu_model
-from cim_int4.op_profile import bind_feeds, timed_runs
+from cim_int4.op_profile import bind_step, timed_runs
 from cim_int4.perplexity import PerplexityError, open_model
 
 BLOCK = 10
@@ -34,7 +35,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--past", type=int, default=32)
-    args = parser.parse_args()
+    # LABEL=SOURCE words first, wherever they were given: --threads takes every word after it.
+    words = sys.argv[1:]
+    models = [w for w in words if "=" in w and not w.startswith("-")]
+    args = parser.parse_args(models + [w for w in words if w not in models])
     if bad := [m for m in args.models if "=" not in m or m.startswith("=") or m.endswith("=")]:
         parser.error(f"expected LABEL=SOURCE, got {bad[0]!r}")
     if args.rounds < 1 or args.past < 0 or min(args.threads) < 1:
@@ -47,7 +51,7 @@ def main() -> None:
             parser.exit(2, f"step_ab: {e}\n")
         bindings = []
         for model in models:
-            binding = bind_feeds(model.session, model.feeds_for(np.array([1], dtype=np.int64), args.past))
+            binding = bind_step(model, args.past)
             timed_runs(model.session, binding, 5)  # warm-up
             bindings.append(binding)
         times: list[list[float]] = [[] for _ in models]

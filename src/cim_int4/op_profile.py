@@ -3,7 +3,8 @@
 ``breakdown(source, past=128, steps=16, threads=1)`` (CLI: ``cim-int4 op-profile SOURCE``) opens a
 causal-LM ONNX file or a genai folder's decoder (as ``cim-int4 perplexity`` does), runs one warm-up
 and then ``steps`` single-token steps after a KV cache of ``past`` tokens (zeros: attention's cost
-depends on the length, not the values) with ORT's profiler on, and sums each node's kernel time per
+depends on the length, not the values; bound once with IOBinding, in one buffer with the present
+outputs where genai shares them: ``bind_step``) with ORT's profiler on, and sums each node's kernel time per
 step: per operator type, with the weight ops split by role, since on a small LLM the LM head and the
 embedding are a large share of the bytes:
 
@@ -19,8 +20,8 @@ microseconds each) its cost is a large share: it adds several microseconds to ea
 recorded kernel time (one SkipSimplifiedLayerNormalization of 576 floats: 1.4 us per node
 unprofiled, 4-6 us as recorded) and more between nodes (SmolLM2-135M on a Zen 3: 11.0 ms per step
 unprofiled, 13.3 ms profiled at 1 thread; 6.7 vs 9.6 ms at 2). So the report also times the step
-without the profiler (``unprofiled_step_us``: a second session, the same feeds bound once with
-IOBinding, as a C++ caller runs it), measures what the profiler records for a node that does nothing
+without the profiler (``unprofiled_step_us``: a second session, the same step bound the same
+way, as a C++ caller runs it), measures what the profiler records for a node that does nothing
 (``node_cost_us``: a chain of one-float Adds, on this machine, after the run), and gives each row
 less that cost per node (``rows_less_profiler``): an estimate, since the profiler also slows the
 nodes' own work; read the rows of many tiny nodes with that in mind. ``rows`` (with ``other
@@ -42,13 +43,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .perplexity import PerplexityError, open_model
+from .perplexity import CausalLM, PerplexityError, open_model
 
 WEIGHT_OPS = {"MatMul", "Gemm", "MatMulNBits", "CimInt4MatMul"}
 TABLE_OPS = {"GatherBlockQuantized", "CimInt4Gather"}
 LM_HEAD = "LM head"
 EMBEDDING = "embedding"
 BETWEEN = "other (between nodes)"
+KV_SHARED = "in one buffer with the present outputs, as genai runs it"
+KV_FED = "fed as arrays, the present outputs apart"
 
 
 @dataclass
@@ -65,18 +68,20 @@ class Breakdown:
     unprofiled_step_us: float = 0.0  # median step without the profiler
     node_cost_us: float = 0.0  # what the profiler records for a node that does nothing
     rows_less_profiler: dict[str, float] = field(default_factory=dict)  # rows less node_cost_us per node
+    shared_kv: bool = False  # past and present key / value bound to one buffer (bind_step), as genai runs it
 
     def to_json(self) -> dict:
         return {"source": self.source, "past": self.past, "steps": self.steps, "threads": self.threads,
                 "step_us": self.step_us, "rows": self.rows, "nodes": self.nodes,
                 "unprofiled_step_us": self.unprofiled_step_us, "node_cost_us": self.node_cost_us,
-                "rows_less_profiler": self.rows_less_profiler}  # fmt: skip
+                "rows_less_profiler": self.rows_less_profiler, "shared_kv": self.shared_kv}  # fmt: skip
 
     def format(self) -> str:
         total = sum(self.rows.values())  # the profiled runs' mean
         lines = [
             f"{self.source}: one decode step after {self.past} cached tokens, threads {self.threads or 'ORT default'}: "
-            f"{self.unprofiled_step_us:.0f} us unprofiled, {self.step_us:.0f} us under ORT's profiler (medians)",
+            f"{self.unprofiled_step_us:.0f} us unprofiled, {self.step_us:.0f} us under ORT's profiler (medians); "
+            f"KV cache {KV_SHARED if self.shared_kv else KV_FED}",
             f"  rows: {self.steps} profiled steps, share of their mean; the profiler records {self.node_cost_us:.1f} "
             "us for a node that does nothing, taken out of each node in the last column (an estimate)",
             f"  {'row':<32} {'nodes':>5} {'us/step':>9} {'share':>6} {'less profiler':>13}",
@@ -115,15 +120,16 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
         model = open_model(source, threads=threads, profile_prefix=os.path.join(work, "ort"))
         if model.context is not None and past + 1 > model.context:
             raise PerplexityError(f"op-profile: --past {past} + 1 exceeds the model's context ({model.context})")
-        feeds = model.feeds_for(np.array([1], dtype=np.int64), past)
-        for _ in range(steps + 1):  # the first is a warm-up, left out below
-            model.session.run(None, feeds)
+        shared_kv = bool(model.shared_kv)
+        timed_runs(model.session, bind_step(model, past), steps + 1)  # the first is a warm-up, left out below
         trace = json.loads(Path(model.session.end_profiling()).read_text())
         path = model.path
         del model  # one session's weights in memory at a time
         plain = open_model(source, threads=threads)
-        unprofiled = unprofiled_step_us(plain.session, feeds, max(steps, UNPROFILED_STEPS))
-        del plain
+        binding = bind_step(plain, past)
+        timed_runs(plain.session, binding, 1)
+        unprofiled = statistics.median(timed_runs(plain.session, binding, max(steps, UNPROFILED_STEPS))) * 1e6
+        del plain, binding
         node_cost = profiler_node_cost(threads, os.path.join(work, "noop"))
     roles = node_roles(path)
     runs = _runs(trace)[1:]
@@ -145,7 +151,7 @@ def breakdown(source: str | os.PathLike, past: int = 128, steps: int = 16, threa
     rows[BETWEEN] = max(0.0, statistics.mean(e["dur"] for e in runs) - sum(rows.values()))
     step_us = statistics.median(e["dur"] for e in runs)
     return Breakdown(str(source), past, steps, threads, step_us, rows, {r: len(n) for r, n in nodes.items()},
-                     unprofiled, node_cost, less)  # fmt: skip
+                     unprofiled, node_cost, less, shared_kv)  # fmt: skip
 
 
 def _runs(trace: list[dict]) -> list[dict]:
@@ -156,6 +162,38 @@ def _runs(trace: list[dict]) -> list[dict]:
 
 UNPROFILED_STEPS = 16  # at least this many timed steps without the profiler
 NOOP_NODES = 64
+
+
+def bind_step(model: CausalLM, past: int):  # returns an onnxruntime IOBinding
+    """One decode step of ``model`` (token 1 after ``past`` cached zeros) bound once, as genai runs it.
+
+    With ``model.shared_kv`` (genai's ``past_present_share_buffer``), each layer's past and present
+    key / value are one buffer of ``past + 1`` positions: GroupQueryAttention writes the new token
+    in place and copies nothing, where a present output of its own makes it copy the whole cache
+    every step (SmolLM2's 30 GroupQueryAttention nodes on an Intel Xeon, past 32: ~8 against ~15 us
+    each; docs/real-llm.md). Else the feeds as ``bind_feeds`` binds them.
+    """
+    import onnxruntime as ort
+
+    feeds = model.feeds_for(np.array([1], dtype=np.int64), past)
+    if not model.shared_kv:
+        return bind_feeds(model.session, feeds)
+    binding = model.session.io_binding()
+    buffers = {}
+    for name, value in feeds.items():
+        if name in model.shared_kv.values():
+            # the cache's first `past` positions (zeros) and room for the step's token
+            buffers[name] = np.zeros((*value.shape[:2], past + 1, *value.shape[3:]), dtype=value.dtype)
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buffers[name]))
+        else:
+            binding.bind_cpu_input(name, value)
+    for out in model.session.get_outputs():
+        if out.name in model.shared_kv:
+            binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(buffers[model.shared_kv[out.name]]))
+        else:
+            binding.bind_output(out.name)
+    binding.kv_buffers = buffers  # the OrtValues borrow these arrays: they live as long as the binding
+    return binding
 
 
 def bind_feeds(session, feeds: dict):  # returns an onnxruntime IOBinding
@@ -176,13 +214,6 @@ def timed_runs(session, binding, runs: int) -> list[float]:
         session.run_with_iobinding(binding)
         times.append(time.perf_counter() - start)
     return times
-
-
-def unprofiled_step_us(session, feeds: dict, steps: int) -> float:
-    """Median wall time (µs) of ``steps`` runs of ``session`` on ``feeds``, bound once, after one warm-up run."""
-    binding = bind_feeds(session, feeds)
-    timed_runs(session, binding, 1)
-    return statistics.median(timed_runs(session, binding, steps)) * 1e6
 
 
 def profiler_node_cost(threads: int | None, prefix: str) -> float:

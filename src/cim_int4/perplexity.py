@@ -152,6 +152,9 @@ class CausalLM:
     session: object
     feeds_for: Callable[..., dict]  # (ids, past=0): feeds for ids after `past` cached tokens (zeros)
     context: int | None = None  # the longest sequence the model accepts, when its config says
+    # present output -> past input it shares a buffer with, when genai runs it so (its config's
+    # search.past_present_share_buffer): op_profile.bind_step binds each pair to one buffer.
+    shared_kv: dict[str, str] = field(default_factory=dict)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         out = self.session.run([LOGITS], self.feeds_for(ids))[0]
@@ -185,13 +188,15 @@ def open_model(
     label = label or str(source)
     kv_dims: dict[str, int] = {}
     context = None
+    shares_kv: dict | None = None  # the genai decoder config, when it shares past and present buffers
     if src.is_dir() and not (src / GENAI_CONFIG).is_file():
         raise PerplexityError(f"{src}: a folder without {GENAI_CONFIG} (expected an .onnx file or a genai folder)")
     # A file inside a genai folder takes its KV shapes and context length from the folder's config.
     folder = src if src.is_dir() else src.parent
     path = src
     if (folder / GENAI_CONFIG).is_file():
-        model_cfg = _genai_config(folder).get("model", {})
+        config = _genai_config(folder)
+        model_cfg = config.get("model", {})
         decoder = model_cfg.get("decoder", {})
         if src.is_dir():
             if not isinstance(decoder.get("filename"), str):
@@ -201,6 +206,8 @@ def open_model(
             if isinstance(decoder.get(key), int):
                 kv_dims[key] = decoder[key]
         context = model_cfg.get("context_length") if isinstance(model_cfg.get("context_length"), int) else None
+        if config.get("search", {}).get("past_present_share_buffer") is True and path.name == decoder.get("filename"):
+            shares_kv = decoder
     if not path.is_file():
         raise PerplexityError(f"{path}: no such model file")
     try:
@@ -245,7 +252,29 @@ def open_model(
     def feeds_for(ids: np.ndarray, past: int = 0) -> dict:
         return dict(make(ids, past) for make in makers)
 
-    return CausalLM(label, path, session, feeds_for, context)
+    shared = _shared_kv(session, shares_kv) if shares_kv is not None else {}
+    return CausalLM(label, path, session, feeds_for, context, shared)
+
+
+def _shared_kv(session, decoder: dict) -> dict[str, str]:
+    """present output -> past input per layer, from a genai decoder config's name patterns (genai's
+    defaults where it gives none); empty unless every pair names an output and an input the session has."""
+    layers = decoder.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        return {}
+    have_in = {i.name for i in session.get_inputs()}
+    have_out = {o.name for o in session.get_outputs()}
+    pairs = {}
+    for kind in ("key", "value"):
+        past = decoder.get("inputs", {}).get(f"past_{kind}_names", f"past_key_values.%d.{kind}")
+        present = decoder.get("outputs", {}).get(f"present_{kind}_names", f"present.%d.{kind}")
+        if not (isinstance(past, str) and isinstance(present, str) and "%d" in past and "%d" in present):
+            return {}
+        for layer in range(layers):
+            if present % layer not in have_out or past % layer not in have_in:
+                return {}
+            pairs[present % layer] = past % layer
+    return pairs
 
 
 def _empty_past_shape(path: Path, name: str, shape: list, kv_dims: dict[str, int]) -> tuple[int, ...]:
