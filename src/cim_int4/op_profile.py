@@ -170,7 +170,7 @@ def bind_step(model: CausalLM, past: int):  # returns an onnxruntime IOBinding
     With ``model.shared_kv`` (genai's ``past_present_share_buffer``), each layer's past and present
     key / value are one buffer of ``past + 1`` positions: GroupQueryAttention writes the new token
     in place and copies nothing, where a present output of its own makes it copy the whole cache
-    every step (SmolLM2's 30 GroupQueryAttention nodes on an Intel Xeon, past 32: ~8 against ~15 us
+    every step (SmolLM2's 30 GroupQueryAttention nodes on an Intel Xeon, past 32: ~8 against 12-15 us
     each; docs/real-llm.md). Else the feeds as ``bind_feeds`` binds them.
     """
     import onnxruntime as ort
