@@ -33,6 +33,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "tools/bench_table.h"
 
 using namespace cim;
 
@@ -124,15 +125,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: layers_bench THREADS(1|2) REPEAT \"KxN ...\" [\"KxN ...\"] (K a multiple of 32)\n");
     return 2;
   }
-  // The table as the op's override names it (CIM_INT4_KERNEL), the avx2 one by default.
-  const char* env = std::getenv("CIM_INT4_KERNEL");
-  const char* name = env != nullptr ? env : "avx2";
-  const char* available = nullptr;
-  const KernelTable* table = select_kernels(name, &available);
-  if (table == nullptr) {
-    std::fprintf(stderr, "this CPU does not run the %s table (available: %s)\n", name, available);
-    return 1;
-  }
+  const KernelTable* table = bench_table();
+  if (table == nullptr) return 1;
   std::vector<Shape> shapes;
   for (int r = 0; r < repeat; ++r) shapes.insert(shapes.end(), block.begin(), block.end());
   shapes.insert(shapes.end(), tail.begin(), tail.end());

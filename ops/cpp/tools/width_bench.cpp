@@ -21,6 +21,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "tools/bench_table.h"
 
 using namespace cim;
 
@@ -32,14 +33,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: width_bench [K N CALLS] (K a multiple of 32)\n");
     return 2;
   }
-  const char* env = std::getenv("CIM_INT4_KERNEL");
-  const char* name = env != nullptr ? env : "avx2";
-  const char* available = nullptr;
-  const KernelTable* table = select_kernels(name, &available);
-  if (table == nullptr) {
-    std::fprintf(stderr, "this CPU does not run the %s table (available: %s)\n", name, available);
-    return 1;
-  }
+  const char* name = nullptr;
+  const KernelTable* table = bench_table(&name);
+  if (table == nullptr) return 1;
   std::mt19937 rng(1);
   std::vector<float> A(static_cast<size_t>(K)), Y(static_cast<size_t>(N));
   for (auto& a : A) a = std::uniform_real_distribution<float>(-1, 1)(rng);
