@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from cim_int4.bench.machine import cpu_model
+from cim_int4.op_profile import timed_runs
 
 NODES = 30
 ROTARY_POSITIONS = 8192
@@ -70,14 +70,8 @@ def per_node_us(args, threads: int, capacity: int, shared: bool) -> float:
                 binding.bind_ortvalue_output(name, values[j])
             else:
                 binding.bind_output(name)
-    for _ in range(20):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6 / NODES
+    timed_runs(session, binding, 20)  # warm-up
+    return statistics.median(timed_runs(session, binding, 200)) * 1e6 / NODES
 
 
 def main() -> None:

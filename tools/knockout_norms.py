@@ -42,7 +42,7 @@ def main() -> None:
         for i in (0, 3):  # the normed output and the residual sum
             if i < len(norm.output) and norm.output[i]:
                 renamed[norm.output[i]] = first.output[i]
-    kept = [n for n in model.graph.node if n not in norms[1:]]
+    kept = [n for n in model.graph.node if n.op_type != NORM or n is first]
     for node in kept:
         node.input[:] = [renamed.get(name, name) for name in node.input]
     del model.graph.node[:]

@@ -19,14 +19,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 from cim_int4.bench.machine import cpu_model
-from cim_int4.op_profile import bind_step, timed_runs
+from cim_int4.op_profile import bind_step, interleaved_blocks
 from cim_int4.perplexity import PerplexityError, open_model
-
-BLOCK = 10
-PAUSE_S = 0.02
 
 
 def main() -> None:
@@ -49,21 +45,13 @@ def main() -> None:
             models = [open_model(s, threads=threads) for s in sources]
         except PerplexityError as e:
             parser.exit(2, f"step_ab: {e}\n")
-        bindings = []
-        for model in models:
-            binding = bind_step(model, args.past)
-            timed_runs(model.session, binding, 5)  # warm-up
-            bindings.append(binding)
-        times: list[list[float]] = [[] for _ in models]
-        for r in range(args.rounds):
-            for i in range(len(models)) if r % 2 else reversed(range(len(models))):
-                time.sleep(PAUSE_S)
-                times[i].append(statistics.median(timed_runs(models[i].session, bindings[i], BLOCK)))
+        bindings = [bind_step(model, args.past) for model in models]
+        times = interleaved_blocks([(m.session, b) for m, b in zip(models, bindings, strict=True)], args.rounds)
         for label, t in zip(labels, times, strict=True):
             ratio = statistics.median(a / b for a, b in zip(times[0], t, strict=True))
             print(f"{threads} thread(s)  {label:<16} {statistics.median(t) * 1e3:7.2f} ms per step  "
                   f"{ratio:.3f}x as fast as {labels[0]}")  # fmt: skip
-        del models, bindings, model, binding
+        del models, bindings
     print(f"CPU: {cpu_model()}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +24,8 @@ from onnx import TensorProto, helper
 
 from cim_int4.bench.machine import cpu_model
 from cim_int4.genai_bench import decoder_file
-from cim_int4.op_profile import WEIGHT_OPS, bind_step, timed_runs
+from cim_int4.op_profile import WEIGHT_OPS, bind_step, interleaved_blocks
 from cim_int4.perplexity import open_model
-
-BLOCK = 10
-PAUSE_S = 0.02
 
 
 def weights_graph(decoder) -> onnx.ModelProto:
@@ -79,17 +75,11 @@ def main() -> None:
             binding.bind_output(out.name)
         step = open_model(args.folder, threads=threads)
         step_binding = bind_step(step, args.past)
-        runs = [(weights, binding, []), (step.session, step_binding, [])]
-        for session, bound, _ in runs:
-            timed_runs(session, bound, 5)
-        for r in range(args.rounds):
-            for session, bound, times in runs if r % 2 else reversed(runs):
-                time.sleep(PAUSE_S)
-                times.append(statistics.median(timed_runs(session, bound, BLOCK)))
-        ms = [statistics.median(times) * 1e3 for _, _, times in runs]
+        times = interleaved_blocks([(weights, binding), (step.session, step_binding)], args.rounds)
+        ms = [statistics.median(t) * 1e3 for t in times]
         print(f"{threads} thread(s): the {nodes} weight nodes alone {ms[0]:.2f} ms, the whole step {ms[1]:.2f} ms "
               f"({ms[0] / ms[1]:.0%})")
-        del weights, binding, step, step_binding, runs
+        del weights, binding, step, step_binding
     print(f"CPU: {cpu_model()}")
 
 

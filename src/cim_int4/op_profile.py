@@ -216,6 +216,27 @@ def timed_runs(session, binding, runs: int) -> list[float]:
     return times
 
 
+BLOCK = 10  # steps a block of interleaved_blocks, its median kept
+PAUSE_S = 0.02  # before each block: the previous session's pool threads stop spinning
+
+
+def interleaved_blocks(runs, rounds: int) -> list[list[float]]:
+    """Per (session, binding) of ``runs``: the median seconds of each of ``rounds`` blocks of BLOCK runs.
+
+    After 5 warm-up runs each, the sessions take turns block by block, in reverse order every other
+    round, each block after a PAUSE_S pause: sessions alternated step by step steal each other's
+    second core on a 2-vCPU guest. Paired blocks give ratios to trust on a shared host.
+    """
+    for session, binding in runs:
+        timed_runs(session, binding, 5)
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in range(len(runs)) if r % 2 else reversed(range(len(runs))):
+            time.sleep(PAUSE_S)
+            times[i].append(statistics.median(timed_runs(*runs[i], BLOCK)))
+    return times
+
+
 def profiler_node_cost(threads: int | None, prefix: str) -> float:
     """Median kernel time (µs) ORT's profiler records for a node that does nothing: a chain of one-float Adds.
 
