@@ -1,4 +1,5 @@
-// Decode (M = 1, int8 mode, group 32, float16 scales) of a real decoder's weight layers, kernel only:
+// Decode (M = 1, int8 mode, group 32, float16 scales; int8 ones, the export's default, with
+// LAYERS_SCALES=int8) of a real decoder's weight layers, kernel only:
 // every variant of the avx2 table (or of the one CIM_INT4_KERNEL names) against a plain read of
 // the same buffers in the same order, on 1 or 2 threads, cold (256 MiB written before each pass),
 // fastest of 9 passes. It tells whether a decode step's MatMuls stream at the memory wall on this
@@ -127,6 +128,13 @@ int main(int argc, char** argv) {
   }
   const KernelTable* table = bench_table();
   if (table == nullptr) return 1;
+  const char* scales_env = std::getenv("LAYERS_SCALES");
+  const std::string scales_name = scales_env != nullptr ? scales_env : "float16";
+  if (scales_name != "float16" && scales_name != "int8") {
+    std::fprintf(stderr, "LAYERS_SCALES is '%s', expected float16 or int8\n", scales_name.c_str());
+    return 2;
+  }
+  const bool int8_scales = scales_name == "int8";
   std::vector<Shape> shapes;
   for (int r = 0; r < repeat; ++r) shapes.insert(shapes.end(), block.begin(), block.end());
   shapes.insert(shapes.end(), tail.begin(), tail.end());
@@ -137,10 +145,16 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes) {
     std::vector<uint8_t> packed(static_cast<size_t>(s.N * s.K / 2));
     for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    std::vector<uint16_t> scales(static_cast<size_t>(s.N * s.K / 32));
-    for (auto& x : scales) x = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
+    // float16 scales (or int8 scales' float16 super-scales, one per kSuperGroups groups) near 0.01.
+    const int64_t groups = s.K / 32;
+    std::vector<uint16_t> halves(static_cast<size_t>(s.N * (int8_scales ? supers_of(groups) : groups)));
+    for (auto& x : halves) x = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
+    std::vector<int8_t> steps(int8_scales ? static_cast<size_t>(s.N * groups) : 0);
+    for (auto& x : steps) x = static_cast<int8_t>(1 + rng() % 127);
     layers.emplace_back(new PackedStorage);
-    const std::string problem = layers.back()->build(s.K, s.N, 32, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
+    const std::string problem =
+        int8_scales ? layers.back()->build(s.K, s.N, 32, 4, packed.data(), steps.data(), kScaleI8, halves.data(), nullptr)
+                    : layers.back()->build(s.K, s.N, 32, 4, packed.data(), halves.data(), kScaleF16, nullptr, nullptr);
     if (!problem.empty()) {
       std::fprintf(stderr, "%s\n", problem.c_str());
       return 1;
@@ -174,8 +188,8 @@ int main(int argc, char** argv) {
     read = std::min(read, seconds_since(t0));
   }
   sink += other;
-  std::printf("%zu layers, %.1f MB, %d thread(s); read %.2f ms (%.1f GB/s)\n", layers.size(), bytes / 1e6, threads,
-              read * 1e3, bytes / read / 1e9);
+  std::printf("%zu layers, %.1f MB (%s scales), %d thread(s); read %.2f ms (%.1f GB/s)\n", layers.size(),
+              bytes / 1e6, scales_name.c_str(), threads, read * 1e3, bytes / read / 1e9);
 
   for (int v = 0; v < table->variant_count; ++v) {
     const KernelVariant& variant = table->variants[v];
