@@ -316,45 +316,55 @@ struct TileKernels {
   // inside the loop. Without VNNI the products go through int16 pair sums (pair_dot). The
   // integer sums are exact in any order, and each output gets the same float operations
   // in the same order as in int8_block.
-  template <int kBits, int kSc, int NT, int64_t kAhead, int kHint>
+  template <int kBits, int kSc, int NT, int64_t kAhead, int kHint, int kStrips = 1>
   static void int8_narrow(const MatMulArgs& args, int64_t t0) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
-    alignas(64) float sums[NT * kTileN] = {};
-    alignas(64) int32_t partial[NT * kTileN];  // 4-bit codes, group sizes over 32: the chunks' sums so far
-    alignas(64) float run[NT * kTileN];  // int8 scales: the run's super-scales / 128, loaded once per run
-    if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0, 0, run);
-    const float* run_or_null = kSc == kScaleI8 ? run : nullptr;
+    // Per strip s (tiles t0 + s * NT ..): its sums, its chunks' partial sums (4-bit codes,
+    // group sizes over 32) and, with int8 scales, its run's super-scales / 128.
+    alignas(64) float sums[kStrips][NT * kTileN] = {};
+    alignas(64) int32_t partial[kStrips][NT * kTileN];
+    alignas(64) float run[kStrips][NT * kTileN];
+    if constexpr (kSc == kScaleI8) {
+      for (int s = 0; s < kStrips; ++s) super_steps<NT>(w, t0 + s * NT, 0, run[s]);
+    }
     const int64_t chunks = w.group_size / 32;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const uint8_t* blk[NT];
-      const uint8_t* scl[NT];
-      enter_group<NT, kSc, kAhead, kHint>(w, t0, g, 0, blk, scl, run);
       const int8_t* q = qa.q + g * w.group_size;
       const I z = S::set1_i32(-int8_zero<kBits>(w) * qa.qsum[g]);
       const F a_scale = S::set1(qa.scale[g]);
-      if constexpr (kBits == 4) {
-        if (chunks == 0) {  // group size 16: two code rows
-          narrow_chunk<kSc, NT, 2>(w, blk, scl, t0, g, run_or_null, q, 0, z, a_scale, true, true, partial, sums);
-        } else {
-          for (int64_t c = 0; c < chunks; ++c) {
-            narrow_chunk<kSc, NT, 4>(w, blk, scl, t0, g, run_or_null, q + 32 * c, 4 * c, z, a_scale, c == 0,
-                                     c == chunks - 1, partial, sums);
+      for (int s = 0; s < kStrips; ++s) {  // kStrips streams in flight, a group of each in turn
+        const int64_t ts = t0 + s * NT;
+        const float* run_or_null = kSc == kScaleI8 ? run[s] : nullptr;
+        const uint8_t* blk[NT];
+        const uint8_t* scl[NT];
+        enter_group<NT, kSc, kAhead, kHint>(w, ts, g, 0, blk, scl, run[s]);
+        if constexpr (kBits == 4) {
+          if (chunks == 0) {  // group size 16: two code rows
+            narrow_chunk<kSc, NT, 2>(w, blk, scl, ts, g, run_or_null, q, 0, z, a_scale, true, true, partial[s],
+                                     sums[s]);
+          } else {
+            for (int64_t c = 0; c < chunks; ++c) {
+              narrow_chunk<kSc, NT, 4>(w, blk, scl, ts, g, run_or_null, q + 32 * c, 4 * c, z, a_scale, c == 0,
+                                       c == chunks - 1, partial[s], sums[s]);
+            }
           }
-        }
-      } else {
-        with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
-          static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
-            constexpr int x = decltype(xc)::value;
-            const I d = decltype(p)::template int8_vector<NT>(w, blk, q, x, z);
-            narrow_store<kSc, NT>(w, scl, t0, g, run_or_null, x, d, a_scale, sums);
+        } else {
+          with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
+            static_for<NT * kVecs>([&](auto xc) CIM_INLINE_LAMBDA {
+              constexpr int x = decltype(xc)::value;
+              const I d = decltype(p)::template int8_vector<NT>(w, blk, q, x, z);
+              narrow_store<kSc, NT>(w, scl, ts, g, run_or_null, x, d, a_scale, sums[s]);
+            });
           });
-        });
+        }
       }
     }
-    F acc[1][NT * kVecs];
-    for (int x = 0; x < NT * kVecs; ++x) acc[0][x] = S::load(sums + x * S::kLanes);
-    store_acc<NT, 1>(args, t0, 0, w.groups, acc);
+    for (int s = 0; s < kStrips; ++s) {
+      F acc[1][NT * kVecs];
+      for (int x = 0; x < NT * kVecs; ++x) acc[0][x] = S::load(sums[s] + x * S::kLanes);
+      store_acc<NT, 1>(args, t0 + s * NT, 0, w.groups, acc);
+    }
   }
 
   // A group's integer sums d of vector x through the scales into `sums`.
@@ -421,11 +431,16 @@ struct TileKernels {
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip go one at a time: with the default prefetch, or with kNarrow
   // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's.
-  template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
+  template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
     if constexpr (kNarrow && Fm::kInt8) {
+      if constexpr (kStrips > 1) {
+        for (; t + kStrips * NT <= tile_end; t += kStrips * NT) {
+          int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint, kStrips>(args, t);
+        }
+      }
       for (; t + NT <= tile_end; t += NT) int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint>(args, t);
       for (; t < tile_end; ++t) int8_narrow<Fm::kBits, Fm::kSc, 1, kAhead, kHint>(args, t);  // a short last strip
       return;

@@ -26,13 +26,14 @@ namespace {
 // A variant's matmul for codes of kBits bits: decode with traits D (the table's own S, or
 // its 256-bit form) and these parameters at M = 1; S's prefill otherwise (one prefill per
 // table). The weights' scale type picks the instantiation (once per call).
-template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
+template <class S, class D, int kBits, bool kInt8, int NT, int64_t kAhead, int kHint, bool kNarrow = false,
+          int kStrips = 1>
 void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
   auto run = [&](auto sc) {
     constexpr int kSc = decltype(sc)::value;
     if (args.M == 1) {
       using Fm = typename TileKernels<D>::template Form<kBits, kSc, kInt8>;
-      TileKernels<D>::template decode<Fm, NT, kAhead, kHint, kNarrow>(args, tile_begin, tile_end);
+      TileKernels<D>::template decode<Fm, NT, kAhead, kHint, kNarrow, kStrips>(args, tile_begin, tile_end);
     } else {
       using Fm = typename TileKernels<S>::template Form<kBits, kSc, kInt8>;
       PrefillKernels<S>::template prefill<Fm>(args, tile_begin, tile_end);
@@ -47,11 +48,11 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
 
 // kNarrow is int8 mode's alone: an n4 row's fp32 entry is the t4 row's very function (the
 // tuner times it once).
-template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false>
+template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
 constexpr KernelVariant variant(const char* name) {
   return KernelVariant{name,
                        {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
-                        variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow>},
+                        variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow, kStrips>},
                        kAhead > 0 && kHint == _MM_HINT_NTA};
 }
 
@@ -81,6 +82,13 @@ struct Variants {
       // whole DRAM trip; a near one only lifts lines from L2 (docs/tuning.md).
       variant<S, S, 4, 2048, kT0>("t4-pf2k"),
       variant<S, S, 4, 2048, kT0, true>("n4-pf2k"),
+      // Two strips' streams in flight, a group of each in turn (tile_kernels.h's int8_narrow
+      // with kStrips = 2): on that Xeon one stream, prefetched or not, holds too few lines in
+      // flight; two read at the plain read's speed (1.28-1.36x n4-pf2k kernel-only, every
+      // table). The distances are each measured core's single-stream winner's.
+      variant<S, S, 4, 2048, kT0, true, 2>("n4x2-pf2k"),
+      variant<S, S, 4, 0, kT0, true, 2>("n4x2-nopf"),
+      variant<S, S, 4, 6144, kT0, true, 2>("n4x2-pf6k"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
       variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
   };

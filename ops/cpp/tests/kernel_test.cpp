@@ -450,7 +450,9 @@ std::vector<Shape> shapes() {
   // prefill row blocks (6 for AVX-512; 6 in fp32 mode and, in int8 mode, 4 with AVX-VNNI or
   // 3 of 2 tiles without it for AVX2) and the
   // benchmark's M = 1, 16 and 128.
-  const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {2, 3},  {2, 33},
+  // (N = 200: 13 tiles, a pair of strips that the n4x2 variants run together, a strip and a
+  // tile alone.)
+  const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {1, 200}, {2, 3},  {2, 33},
                            {5, 9},  {7, 48}, {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};
   std::vector<Shape> out;
   int64_t i = 0;
@@ -529,12 +531,12 @@ std::vector<Shape> shapes() {
     }
   }
   // The largest integer sums, per group size and M = 1 (decode) and 3 (prefill), with K
-  // past several groups and N past a strip; every width below.
+  // past several groups and N past a strip (and past a pair of strips at M = 1); every width below.
   for (int64_t g : cim::contract::kGroupSizes) {
-    for (int64_t m : {1, 3}) {
+    for (const auto& mn_pair : {std::array<int64_t, 2>{1, 77}, {3, 77}, {1, 200}}) {
       Shape s;
-      s.M = m;
-      s.N = 77;
+      s.M = mn_pair[0];
+      s.N = mn_pair[1];
       s.K = 4 * g + 3;
       s.group_size = g;
       s.lda = s.K;

@@ -25,8 +25,9 @@ namespace {
 // and NTA variants timed last in a round. g5: rounds go on (up to twice the budget) while a
 // candidate leads the default in the median but not yet steadily; and the stream's scales
 // before its codes in each group (kernel.h), which moved the variants' speeds, and int8
-// scales (the exporter's default) on the tuner's stream instead of float32 ones.
-constexpr const char* kGridVersion = "g5";
+// scales (the exporter's default) on the tuner's stream instead of float32 ones. g6: the
+// n4x2 rows (two strips' streams in flight).
+constexpr const char* kGridVersion = "g6";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
 CpuIdentity probe_identity() {
