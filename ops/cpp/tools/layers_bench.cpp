@@ -107,11 +107,23 @@ struct Helper {
 
 // Sum of part `part` of `parts` of one layer's stream (no bias here: bytes() is the stream), 32
 // bytes at a time: the read the kernels are held against.
-uint64_t read_part(const PackedStorage& st, int part, int parts) {
+// With `streams` = 2, the part's two halves side by side (two sequential streams, as the n4x2
+// variants read two strips): on an Intel Xeon (family 6 model 167) one stream a core is not the
+// core's read bandwidth (docs/benchmarks.md, "Intel Xeon, 2026-12-06").
+uint64_t read_part(const PackedStorage& st, int part, int parts, int streams = 1) {
   __m256i acc = _mm256_setzero_si256();
   const auto* p = reinterpret_cast<const __m256i*>(st.weights().stream);
   const int64_t n = st.bytes() / 32;
-  for (int64_t i = n * part / parts; i < n * (part + 1) / parts; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
+  const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+  if (streams == 1) {
+    for (int64_t i = begin; i < end; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
+  } else {
+    const int64_t half = (end - begin) / 2;
+    for (int64_t i = begin; i < begin + half; ++i) {
+      acc = _mm256_add_epi8(acc, _mm256_add_epi8(_mm256_load_si256(p + i), _mm256_load_si256(p + i + half)));
+    }
+    for (int64_t i = begin + 2 * half; i < end; ++i) acc = _mm256_add_epi8(acc, _mm256_load_si256(p + i));
+  }
   return static_cast<uint64_t>(_mm256_extract_epi64(acc, 0));
 }
 
@@ -172,24 +184,28 @@ int main(int argc, char** argv) {
   Helper helper;
   std::thread second;
   if (threads == 2) second = std::thread([&] { helper.loop(); });
-  // The read goes layer by layer with the same handshake as the kernels below.
+  // The read goes layer by layer with the same handshake as the kernels below, one stream a
+  // thread (the kernels' "% of the read") and two.
   uint64_t sink = 0, other = 0;
-  double read = 1e9;
+  double reads[2] = {1e9, 1e9};
   for (int r = 0; r < 9; ++r) {
-    evict();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (const auto& st : layers) {
-      if (threads == 1) {
-        sink += read_part(*st, 0, 1);
-        continue;
+    for (int streams = 1; streams <= 2; ++streams) {
+      evict();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const auto& st : layers) {
+        if (threads == 1) {
+          sink += read_part(*st, 0, 1, streams);
+          continue;
+        }
+        helper.both([&] { sink += read_part(*st, 0, 2, streams); }, [&] { other += read_part(*st, 1, 2, streams); });
       }
-      helper.both([&] { sink += read_part(*st, 0, 2); }, [&] { other += read_part(*st, 1, 2); });
+      reads[streams - 1] = std::min(reads[streams - 1], seconds_since(t0));
     }
-    read = std::min(read, seconds_since(t0));
   }
   sink += other;
-  std::printf("%zu layers, %.1f MB (%s scales), %d thread(s); read %.2f ms (%.1f GB/s)\n", layers.size(),
-              bytes / 1e6, scales_name.c_str(), threads, read * 1e3, bytes / read / 1e9);
+  const double read = reads[0];
+  std::printf("%zu layers, %.1f MB (%s scales), %d thread(s); read %.2f ms (%.1f GB/s), two streams a thread %.2f ms\n",
+              layers.size(), bytes / 1e6, scales_name.c_str(), threads, read * 1e3, bytes / read / 1e9, reads[1] * 1e3);
 
   for (int v = 0; v < table->variant_count; ++v) {
     const KernelVariant& variant = table->variants[v];
