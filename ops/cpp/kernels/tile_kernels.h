@@ -430,7 +430,9 @@ struct TileKernels {
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip go one at a time: with the default prefetch, or with kNarrow
-  // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's.
+  // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's. kStrips > 1 (int8
+  // mode with kNarrow only): that many whole strips at once, a group of each in turn, while
+  // the range holds them; the strips left run one at a time.
   template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
