@@ -188,6 +188,34 @@ struct TileKernels {
     });
   }
 
+  // Group g's sums t (zeroed here) of NT tiles' code rows against R rows of A, k0 = g's first k.
+  template <int kBits, int NT, int R>
+  static CIM_INLINE void fp32_group(const PackedWeights& w, const uint8_t* const (&blk)[NT], const float* const (&a)[R],
+                                    int64_t g, F (&t)[R][NT * kVecs]) {
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
+    const int64_t k0 = g * w.group_size;
+    const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
+    if constexpr (kBits == 4) {
+      int64_t v = 0;
+      for (; 8 * v + 8 <= valid; ++v) fp32_row<NT, R, 8>(blk, v, a, k0 + 8 * v, t);
+      switch (valid - 8 * v) {  // the tail of K: codes past it are 8 (q = 0), A has no values there
+        case 7: fp32_row<NT, R, 7>(blk, v, a, k0 + 8 * v, t); break;
+        case 6: fp32_row<NT, R, 6>(blk, v, a, k0 + 8 * v, t); break;
+        case 5: fp32_row<NT, R, 5>(blk, v, a, k0 + 8 * v, t); break;
+        case 4: fp32_row<NT, R, 4>(blk, v, a, k0 + 8 * v, t); break;
+        case 3: fp32_row<NT, R, 3>(blk, v, a, k0 + 8 * v, t); break;
+        case 2: fp32_row<NT, R, 2>(blk, v, a, k0 + 8 * v, t); break;
+        case 1: fp32_row<NT, R, 1>(blk, v, a, k0 + 8 * v, t); break;
+        default: break;
+      }
+    } else {
+      with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
+        decltype(p)::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
+      });
+    }
+  }
+
   template <int kBits, int kSc, int NT, int R, int64_t kAhead = kPrefetchFp32, int kHint = _MM_HINT_T0>
   static void fp32_block(const MatMulArgs& args, int64_t t0, int64_t m0, int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
@@ -203,34 +231,43 @@ struct TileKernels {
       const uint8_t* scl[NT];
       enter_group<NT, kSc, kAhead, kHint>(w, t0, g, g0, blk, scl, run);
       F t[R][NT * kVecs];
-      for (int r = 0; r < R; ++r)
-        for (int x = 0; x < NT * kVecs; ++x) t[r][x] = S::zero();
-      const int64_t k0 = g * w.group_size;
-      const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
-      if constexpr (kBits == 4) {
-        int64_t v = 0;
-        for (; 8 * v + 8 <= valid; ++v) fp32_row<NT, R, 8>(blk, v, a, k0 + 8 * v, t);
-        switch (valid - 8 * v) {  // the tail of K: codes past it are 8 (q = 0), A has no values there
-          case 7: fp32_row<NT, R, 7>(blk, v, a, k0 + 8 * v, t); break;
-          case 6: fp32_row<NT, R, 6>(blk, v, a, k0 + 8 * v, t); break;
-          case 5: fp32_row<NT, R, 5>(blk, v, a, k0 + 8 * v, t); break;
-          case 4: fp32_row<NT, R, 4>(blk, v, a, k0 + 8 * v, t); break;
-          case 3: fp32_row<NT, R, 3>(blk, v, a, k0 + 8 * v, t); break;
-          case 2: fp32_row<NT, R, 2>(blk, v, a, k0 + 8 * v, t); break;
-          case 1: fp32_row<NT, R, 1>(blk, v, a, k0 + 8 * v, t); break;
-          default: break;
-        }
-      } else {
-        with_planes<S, kBits>(w, [&](auto p) CIM_INLINE_LAMBDA {
-          decltype(p)::template fp32_group<NT, R>(w, blk, a, k0, valid, t);
-        });
-      }
+      fp32_group<kBits, NT, R>(w, blk, a, g, t);
       for (int x = 0; x < NT * kVecs; ++x) {
         const F s = scales_of<NT, kSc>(w, scl, t0, g, x, run_or_null);
         for (int r = 0; r < R; ++r) acc[r][x] = S::fma(t[r][x], s, acc[r][x]);
       }
     }
     store_acc<NT, R>(args, t0, m0, g1, acc);
+  }
+
+  // M = 1, kStrips whole strips of NT tiles from t0 at once, a group of each in turn: as
+  // many streams in flight (int8_narrow's kStrips in fp32 mode); each output gets
+  // fp32_block's float operations in the same order.
+  template <int kBits, int kSc, int NT, int64_t kAhead, int kHint, int kStrips>
+  static void fp32_strips(const MatMulArgs& args, int64_t t0) {
+    const PackedWeights& w = *args.W;
+    F acc[kStrips][1][NT * kVecs];
+    alignas(64) float run[kStrips][NT * kTileN];  // int8 scales: each strip's run's super-scales / 128
+    for (int s = 0; s < kStrips; ++s) {
+      load_acc<NT, 1>(args, t0 + s * NT, 0, 0, acc[s]);
+      if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0 + s * NT, 0, run[s]);
+    }
+    const float* const a[1] = {args.A};
+    for (int64_t g = 0; g < w.groups; ++g) {
+      for (int s = 0; s < kStrips; ++s) {
+        const int64_t ts = t0 + s * NT;
+        const uint8_t* blk[NT];
+        const uint8_t* scl[NT];
+        enter_group<NT, kSc, kAhead, kHint>(w, ts, g, 0, blk, scl, run[s]);
+        F t[1][NT * kVecs];
+        fp32_group<kBits, NT, 1>(w, blk, a, g, t);
+        for (int x = 0; x < NT * kVecs; ++x) {
+          const F sc = scales_of<NT, kSc>(w, scl, ts, g, x, kSc == kScaleI8 ? run[s] : nullptr);
+          acc[s][0][x] = S::fma(t[0][x], sc, acc[s][0][x]);
+        }
+      }
+    }
+    for (int s = 0; s < kStrips; ++s) store_acc<NT, 1>(args, t0 + s * NT, 0, w.groups, acc[s]);
   }
 
   // ---- int8 mode ---------------------------------------------------------------------
@@ -431,12 +468,17 @@ struct TileKernels {
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip go one at a time: with the default prefetch, or with kNarrow
   // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's. kStrips > 1 (int8
-  // mode with kNarrow only): that many whole strips at once, a group of each in turn, while
-  // the range holds them; the strips left run one at a time.
+  // mode with kNarrow, fp32 mode always): that many whole strips at once, a group of each in
+  // turn, while the range holds them; the strips left run one at a time.
   template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
     int64_t t = tile_begin;
+    if constexpr (!Fm::kInt8 && kStrips > 1) {
+      for (; t + kStrips * NT <= tile_end; t += kStrips * NT) {
+        fp32_strips<Fm::kBits, Fm::kSc, NT, kAhead, kHint, kStrips>(args, t);
+      }
+    }
     if constexpr (kNarrow && Fm::kInt8) {
       if constexpr (kStrips > 1) {
         for (; t + kStrips * NT <= tile_end; t += kStrips * NT) {

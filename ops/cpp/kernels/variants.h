@@ -47,11 +47,11 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
 }
 
 // kNarrow is int8 mode's alone: an n4 row's fp32 entry is the t4 row's very function (the
-// tuner times it once).
+// tuner times it once); kStrips is both modes' (an n4x2 row's fp32 entry is t4x2's).
 template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
 constexpr KernelVariant variant(const char* name) {
   return KernelVariant{name,
-                       {variant_matmul<S, D, 4, false, NT, kAhead, kHint>,
+                       {variant_matmul<S, D, 4, false, NT, kAhead, kHint, false, kStrips>,
                         variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow, kStrips>},
                        kAhead > 0 && kHint == _MM_HINT_NTA};
 }
@@ -85,10 +85,13 @@ struct Variants {
       // Two strips' streams in flight, a group of each in turn (tile_kernels.h's int8_narrow
       // with kStrips = 2): on that Xeon one stream, prefetched or not, holds too few lines in
       // flight; two read at the plain read's speed (1.28-1.36x n4-pf2k kernel-only, every
-      // table). The distances are each measured core's single-stream winner's.
+      // table). The distances are each measured core's single-stream winner's. In fp32 mode
+      // these rows run t4 over two strips (fp32_strips), and t4x2-pf12k at fp32 mode's
+      // default distance (its int8 entry is t4-pf12k's: int8 t4 runs one strip at a time).
       variant<S, S, 4, 2048, kT0, true, 2>("n4x2-pf2k"),
       variant<S, S, 4, 0, kT0, true, 2>("n4x2-nopf"),
       variant<S, S, 4, 6144, kT0, true, 2>("n4x2-pf6k"),
+      variant<S, S, 4, 12288, kT0, false, 2>("t4x2-pf12k"),
       variant<S, Y, 4, 6144, kT0>("ymm-t4-pf6k"),
       variant<S, Y, 4, 0, kT0>("ymm-t4-nopf"),
   };

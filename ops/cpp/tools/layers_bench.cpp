@@ -1,5 +1,5 @@
 // Decode (M = 1, int8 mode, group 32, float16 scales; int8 ones, the export's default, with
-// LAYERS_SCALES=int8) of a real decoder's weight layers, kernel only:
+// LAYERS_SCALES=int8; fp32 mode with LAYERS_MODE=fp32) of a real decoder's weight layers, kernel only:
 // every variant of the avx2 table (or of the one CIM_INT4_KERNEL names) against a plain read of
 // the same buffers in the same order, on 1 or 2 threads, cold (256 MiB written before each pass),
 // fastest of 9 passes. It tells whether a decode step's MatMuls stream at the memory wall on this
@@ -147,6 +147,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool int8_scales = scales_name == "int8";
+  const char* mode_env = std::getenv("LAYERS_MODE");
+  const std::string mode_name = mode_env != nullptr ? mode_env : "int8";
+  if (mode_name != "int8" && mode_name != "fp32") {
+    std::fprintf(stderr, "LAYERS_MODE is '%s', expected int8 or fp32\n", mode_name.c_str());
+    return 2;
+  }
+  const Mode mode = mode_name == "int8" ? kInt8 : kFp32;
   std::vector<Shape> shapes;
   for (int r = 0; r < repeat; ++r) shapes.insert(shapes.end(), block.begin(), block.end());
   shapes.insert(shapes.end(), tail.begin(), tail.end());
@@ -204,8 +211,8 @@ int main(int argc, char** argv) {
   }
   sink += other;
   const double read = reads[0];
-  std::printf("%zu layers, %.1f MB (%s scales), %d thread(s); read %.2f ms (%.1f GB/s), two streams a thread %.2f ms\n",
-              layers.size(), bytes / 1e6, scales_name.c_str(), threads, read * 1e3, bytes / read / 1e9, reads[1] * 1e3);
+  std::printf("%zu layers, %.1f MB (%s scales, %s mode), %d thread(s); read %.2f ms (%.1f GB/s), two streams a thread %.2f ms\n",
+              layers.size(), bytes / 1e6, scales_name.c_str(), mode_name.c_str(), threads, read * 1e3, bytes / read / 1e9, reads[1] * 1e3);
 
   for (int v = 0; v < table->variant_count; ++v) {
     const KernelVariant& variant = table->variants[v];
@@ -215,22 +222,22 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       for (const auto& st : layers) {
         const PackedWeights& w = st->weights();
-        table->quantize_a(A.data(), 1, w.K, w.K, 32, q.data(), qs.data(), qz.data());
+        if (mode == kInt8) table->quantize_a(A.data(), 1, w.K, w.K, 32, q.data(), qs.data(), qz.data());
         QuantizedA qa{q.data(), qs.data(), qz.data()};
         MatMulArgs args{A.data(), 1, w.K, Y.data(), w.N, &w, &qa};
         if (threads == 1) {
-          variant.matmul[kInt8](args, 0, w.tiles);
+          variant.matmul[mode](args, 0, w.tiles);
           continue;
         }
         const int64_t strips = (w.tiles + kStripTiles - 1) / kStripTiles;
         const int64_t half = std::min(w.tiles, (strips + 1) / 2 * kStripTiles);
-        const MatMulFn fn = variant.matmul[kInt8];
+        const MatMulFn fn = variant.matmul[mode];
         helper.both([&] { fn(args, 0, half); }, [&] { fn(args, half, w.tiles); });
       }
       best = std::min(best, seconds_since(t0));
     }
     std::printf("  %-16s %.2f ms (%.1f GB/s, %.0f%% of the read)%s\n", variant.name, best * 1e3, bytes / best / 1e9,
-                100 * read / best, v == table->defaults[kInt8] ? "  <- default" : "");
+                100 * read / best, v == table->defaults[mode] ? "  <- default" : "");
   }
   helper.stop = true;
   if (second.joinable()) second.join();

@@ -26,8 +26,9 @@ namespace {
 // candidate leads the default in the median but not yet steadily; and the stream's scales
 // before its codes in each group (kernel.h), which moved the variants' speeds, and int8
 // scales (the exporter's default) on the tuner's stream instead of float32 ones. g6: the
-// n4x2 rows (two strips' streams in flight).
-constexpr const char* kGridVersion = "g6";
+// n4x2 rows (two strips' streams in flight). g7: fp32 mode over two strips too (the n4x2
+// rows' fp32 entries, t4x2-pf12k).
+constexpr const char* kGridVersion = "g7";
 constexpr const char* kFormat = "cim-int4 kernel profile 1";
 
 CpuIdentity probe_identity() {
