@@ -8,6 +8,9 @@
 //   (one command line)
 //   ./prefill_bench M K N ROUNDS      (defaults 128 4096 4096 7; group 32, float16 scales)
 //
+// With -DPREFILL_BENCH_AVX512 (and -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
+// -mfma -mf16c) the headers are instantiated as the avx512_vnni table and timed against it.
+//
 // It prints GMAC/s per form and says when the two give different bits.
 #include <algorithm>
 #include <chrono>
@@ -20,9 +23,16 @@
 #include "kernels/prefill_kernels.h"
 #include "kernels/repack.h"
 #include "kernels/simd_avx2.h"
+#include "kernels/simd_avx512.h"
 
 using namespace cim;
+#if defined(PREFILL_BENCH_AVX512)
+using S = Avx512<true>;
+constexpr const char* kTable = "avx512_vnni";
+#else
 using S = Avx2<Dot::kMaddubs>;
+constexpr const char* kTable = "avx2";
+#endif
 using P = PrefillKernels<S>;
 using T = TileKernels<S>;
 
@@ -54,9 +64,9 @@ int main(int argc, char** argv) {
   MatMulArgs linked = here;
   linked.Y = Y2.data();
   const char* available = nullptr;
-  const KernelTable* lib = select_kernels("avx2", &available);
+  const KernelTable* lib = select_kernels(kTable, &available);
   if (lib == nullptr) {
-    std::fprintf(stderr, "this CPU does not run the avx2 table (available: %s)\n", available);
+    std::fprintf(stderr, "this CPU does not run the %s table (available: %s)\n", kTable, available);
     return 1;
   }
   using F32 = T::Form<4, true, false>;
