@@ -240,22 +240,22 @@ struct TileKernels {
     store_acc<NT, R>(args, t0, m0, g1, acc);
   }
 
-  // M = 1, kStrips whole strips of NT tiles from t0 at once, a group of each in turn: as
-  // many streams in flight (int8_narrow's kStrips in fp32 mode); each output gets
-  // fp32_block's float operations in the same order.
+  // M = 1, kStrips whole strips of NT tiles at once (tiles t0, t0 + stride, ...), a group of
+  // each in turn: as many streams in flight (int8_narrow's kStrips in fp32 mode); each output
+  // gets fp32_block's float operations in the same order.
   template <int kBits, int kSc, int NT, int64_t kAhead, int kHint, int kStrips>
-  static void fp32_strips(const MatMulArgs& args, int64_t t0) {
+  static void fp32_strips(const MatMulArgs& args, int64_t t0, int64_t stride) {
     const PackedWeights& w = *args.W;
     F acc[kStrips][1][NT * kVecs];
     alignas(64) float run[kStrips][NT * kTileN];  // int8 scales: each strip's run's super-scales / 128
     for (int s = 0; s < kStrips; ++s) {
-      load_acc<NT, 1>(args, t0 + s * NT, 0, 0, acc[s]);
-      if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0 + s * NT, 0, run[s]);
+      load_acc<NT, 1>(args, t0 + s * stride, 0, 0, acc[s]);
+      if constexpr (kSc == kScaleI8) super_steps<NT>(w, t0 + s * stride, 0, run[s]);
     }
     const float* const a[1] = {args.A};
     for (int64_t g = 0; g < w.groups; ++g) {
       for (int s = 0; s < kStrips; ++s) {
-        const int64_t ts = t0 + s * NT;
+        const int64_t ts = t0 + s * stride;
         const uint8_t* blk[NT];
         const uint8_t* scl[NT];
         enter_group<NT, kSc, kAhead, kHint>(w, ts, g, 0, blk, scl, run[s]);
@@ -267,7 +267,7 @@ struct TileKernels {
         }
       }
     }
-    for (int s = 0; s < kStrips; ++s) store_acc<NT, 1>(args, t0 + s * NT, 0, w.groups, acc[s]);
+    for (int s = 0; s < kStrips; ++s) store_acc<NT, 1>(args, t0 + s * stride, 0, w.groups, acc[s]);
   }
 
   // ---- int8 mode ---------------------------------------------------------------------
@@ -354,16 +354,16 @@ struct TileKernels {
   // integer sums are exact in any order, and each output gets the same float operations
   // in the same order as in int8_block.
   template <int kBits, int kSc, int NT, int64_t kAhead, int kHint, int kStrips = 1>
-  static void int8_narrow(const MatMulArgs& args, int64_t t0) {
+  static void int8_narrow(const MatMulArgs& args, int64_t t0, int64_t stride = NT) {
     const PackedWeights& w = *args.W;
     const QuantizedA& qa = *args.QA;
-    // Per strip s (tiles t0 + s * NT ..): its sums, its chunks' partial sums (4-bit codes,
+    // Per strip s (tiles t0 + s * stride ..): its sums, its chunks' partial sums (4-bit codes,
     // group sizes over 32) and, with int8 scales, its run's super-scales / 128.
     alignas(64) float sums[kStrips][NT * kTileN] = {};
     alignas(64) int32_t partial[kStrips][NT * kTileN];
     alignas(64) float run[kStrips][NT * kTileN];
     if constexpr (kSc == kScaleI8) {
-      for (int s = 0; s < kStrips; ++s) super_steps<NT>(w, t0 + s * NT, 0, run[s]);
+      for (int s = 0; s < kStrips; ++s) super_steps<NT>(w, t0 + s * stride, 0, run[s]);
     }
     const int64_t chunks = w.group_size / 32;
     for (int64_t g = 0; g < w.groups; ++g) {
@@ -371,7 +371,7 @@ struct TileKernels {
       const I z = S::set1_i32(-int8_zero<kBits>(w) * qa.qsum[g]);
       const F a_scale = S::set1(qa.scale[g]);
       for (int s = 0; s < kStrips; ++s) {  // kStrips streams in flight, a group of each in turn
-        const int64_t ts = t0 + s * NT;
+        const int64_t ts = t0 + s * stride;
         const float* run_or_null = kSc == kScaleI8 ? run[s] : nullptr;
         const uint8_t* blk[NT];
         const uint8_t* scl[NT];
@@ -400,7 +400,7 @@ struct TileKernels {
     for (int s = 0; s < kStrips; ++s) {
       F acc[1][NT * kVecs];
       for (int x = 0; x < NT * kVecs; ++x) acc[0][x] = S::load(sums[s] + x * S::kLanes);
-      store_acc<NT, 1>(args, t0 + s * NT, 0, w.groups, acc);
+      store_acc<NT, 1>(args, t0 + s * stride, 0, w.groups, acc);
     }
   }
 
@@ -467,30 +467,64 @@ struct TileKernels {
   // once, front to back; NT = 2: each strip in two passes, the second from L2), with
   // software prefetch kAhead bytes ahead (0: none) and hint kHint (variants.h). The tiles
   // of a short last strip go one at a time: with the default prefetch, or with kNarrow
-  // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's. kStrips > 1 (int8
-  // mode with kNarrow, fp32 mode always): that many whole strips at once, a group of each in
-  // turn, while the range holds them; the strips left run one at a time.
+  // (int8 mode runs int8_narrow; fp32 mode ignores it) the variant's. kStrips = 2 (int8
+  // mode with kNarrow, fp32 mode): two whole strips at once, a group of each in turn
+  // (strip_pairs), while the range holds them; a strip left runs alone.
   template <class Fm, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
   static void decode(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end) {
     const PackedWeights& w = *args.W;
+    constexpr bool kNarrowInt8 = kNarrow && Fm::kInt8;
+    auto strip = [&](int64_t t0) {
+      if constexpr (kNarrowInt8) {
+        int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint>(args, t0);
+      } else {
+        block<Fm, NT, 1, kAhead, kHint>(args, t0, 0, 0, w.groups);
+      }
+    };
     int64_t t = tile_begin;
-    if constexpr (!Fm::kInt8 && kStrips > 1) {
-      for (; t + kStrips * NT <= tile_end; t += kStrips * NT) {
-        fp32_strips<Fm::kBits, Fm::kSc, NT, kAhead, kHint, kStrips>(args, t);
-      }
-    }
-    if constexpr (kNarrow && Fm::kInt8) {
-      if constexpr (kStrips > 1) {
-        for (; t + kStrips * NT <= tile_end; t += kStrips * NT) {
-          int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint, kStrips>(args, t);
+    if constexpr (kStrips > 1 && (kNarrowInt8 || !Fm::kInt8)) {
+      static_assert(kStrips == 2, "strips run in pairs");
+      t = strip_pairs<NT>(w, t, tile_end, strip, [&](int64_t t0, int64_t stride) {
+        if constexpr (kNarrowInt8) {
+          int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint, 2>(args, t0, stride);
+        } else {
+          fp32_strips<Fm::kBits, Fm::kSc, NT, kAhead, kHint, 2>(args, t0, stride);
         }
-      }
-      for (; t + NT <= tile_end; t += NT) int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint>(args, t);
-      for (; t < tile_end; ++t) int8_narrow<Fm::kBits, Fm::kSc, 1, kAhead, kHint>(args, t);  // a short last strip
-      return;
+      });
     }
-    for (; t + NT <= tile_end; t += NT) block<Fm, NT, 1, kAhead, kHint>(args, t, 0, 0, w.groups);
-    for (; t < tile_end; ++t) block<Fm, 1, 1>(args, t, 0, 0, w.groups);  // a short last strip
+    for (; t + NT <= tile_end; t += NT) strip(t);
+    for (; t < tile_end; ++t) {  // a short last strip
+      if constexpr (kNarrowInt8) {
+        int8_narrow<Fm::kBits, Fm::kSc, 1, kAhead, kHint>(args, t);
+      } else {
+        block<Fm, 1, 1>(args, t, 0, 0, w.groups);
+      }
+    }
+  }
+
+  // The whole strips of tiles [t, tile_end) in pairs: pair(t0, stride) runs the strips at t0
+  // and t0 + stride together, single(t0) one alone; returns the first tile after them. Long
+  // strips pair with their neighbour. Short ones (a strip of at most kShortStrip bytes: K up
+  // to 2048 at 4 bits, 2560 with int8 scales) pair across a window of up to kPairWindow
+  // strips, strip i with strip i + half, so that each of the two streams runs on into the
+  // strip after its last one: on an Intel Xeon (family 6 model 167) a neighbour pair of 18
+  // KiB strips restarted both streams every 36 KiB, and SmolLM2's layers (K = 576, 1536)
+  // decoded 1.09-1.13x faster paired across (kernel-only), K = 2048 1.03-1.05x, while strips
+  // of K = 3072 and 4096 (104-139 KiB) ran 0.90-0.95x so (docs/tuning.md).
+  static constexpr int64_t kShortStrip = 96 * 1024;
+  static constexpr int64_t kPairWindow = 8;
+  template <int NT, class Single, class Pair>
+  static CIM_INLINE int64_t strip_pairs(const PackedWeights& w, int64_t t, int64_t tile_end, Single&& single,
+                                        Pair&& pair) {
+    const int64_t window = NT * w.block_bytes * w.groups <= kShortStrip ? kPairWindow : 2;
+    for (int64_t n = (tile_end - t) / NT; n >= 2;) {
+      const int64_t m = n < window ? n : window, half = (m + 1) / 2;
+      for (int64_t i = 0; i + half < m; ++i) pair(t + i * NT, half * NT);
+      if (m % 2 == 1) single(t + (half - 1) * NT);
+      t += m * NT;
+      n -= m;
+    }
+    return t;
   }
 
   // int8 mode's A, the same bits as quantize_a_portable: |a| maxima are exact in any

@@ -451,9 +451,10 @@ std::vector<Shape> shapes() {
   // 3 of 2 tiles without it for AVX2) and the
   // benchmark's M = 1, 16 and 128.
   // (N = 200: 13 tiles, a pair of strips that the n4x2 variants run together, a strip and a
-  // tile alone.)
-  const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {1, 200}, {2, 3},  {2, 33},
-                           {5, 9},  {7, 48}, {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};
+  // tile alone; N = 600: 38 tiles, short strips paired across a window of 8, a ninth strip
+  // and two tiles alone: tile_kernels.h's strip_pairs.)
+  const int64_t mn[][2] = {{1, 1},  {1, 15}, {1, 16},  {1, 17},  {1, 64}, {1, 77}, {1, 200}, {1, 600}, {2, 3},
+                           {2, 33}, {5, 9},  {7, 48},  {7, 50},  {16, 31}, {6, 37}, {13, 20}, {33, 19}};
   std::vector<Shape> out;
   int64_t i = 0;
   for (int64_t g : cim::contract::kGroupSizes) {
