@@ -482,8 +482,9 @@ struct TileKernels {
       }
     };
     int64_t t = tile_begin;
-    if constexpr (kStrips > 1 && (kNarrowInt8 || !Fm::kInt8)) {
+    if constexpr (kStrips > 1) {
       static_assert(kStrips == 2, "strips run in pairs");
+      static_assert(kNarrowInt8 || !Fm::kInt8, "int8 mode pairs strips in its narrow loop only");
       t = strip_pairs<NT>(w, t, tile_end, strip, [&](int64_t t0, int64_t stride) {
         if constexpr (kNarrowInt8) {
           int8_narrow<Fm::kBits, Fm::kSc, NT, kAhead, kHint, 2>(args, t0, stride);

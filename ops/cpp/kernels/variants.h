@@ -47,12 +47,13 @@ void variant_matmul(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end
 }
 
 // kNarrow is int8 mode's alone: an n4 row's fp32 entry is the t4 row's very function (the
-// tuner times it once); kStrips is both modes' (an n4x2 row's fp32 entry is t4x2's).
+// tuner times it once). kStrips is fp32 mode's and, with kNarrow, int8 mode's: t4x2's int8
+// entry is t4's very function.
 template <class S, class D, int NT, int64_t kAhead, int kHint, bool kNarrow = false, int kStrips = 1>
 constexpr KernelVariant variant(const char* name) {
   return KernelVariant{name,
                        {variant_matmul<S, D, 4, false, NT, kAhead, kHint, false, kStrips>,
-                        variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow, kStrips>},
+                        variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow, kNarrow ? kStrips : 1>},
                        kAhead > 0 && kHint == _MM_HINT_NTA};
 }
 
