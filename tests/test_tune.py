@@ -187,11 +187,14 @@ def test_tuner_keeps_to_its_budget(tmp_path: Path) -> None:
             assert 1 <= row[f"{mode}_rounds"] <= report["rounds"]
             if row[f"{mode}_rounds"] < report["rounds"]:  # dropped: far behind after two rounds at least
                 assert row[f"{mode}_rounds"] >= 2
-    # An n4 (or n4x2) row's fp32 entry is its t4 row's function: timed once, reported alike.
+    # An n4 row's fp32 entry is its t4 row's function, and a t4x2 row's int8 entry its t4 row's:
+    # timed once, reported alike.
     for row in report["variants"]:
-        if row["name"].startswith(("n4-", "n4x2-")):
-            twin = rows["t4-" + row["name"].split("-", 1)[1]]
-            assert row["fp32_seconds"] == twin["fp32_seconds"] and row["fp32_rounds"] == twin["fp32_rounds"]
+        for prefix, mode in (("n4-", "fp32"), ("t4x2-", "int8")):
+            if row["name"].startswith(prefix):
+                twin = rows["t4-" + row["name"].split("-", 1)[1]]
+                assert row[f"{mode}_seconds"] == twin[f"{mode}_seconds"]
+                assert row[f"{mode}_rounds"] == twin[f"{mode}_rounds"]
 
 
 def test_large_stream_is_timed_in_windows(monkeypatch: pytest.MonkeyPatch) -> None:
