@@ -152,6 +152,26 @@ def test_every_path_gives_the_same_bits(width: tuple[int, str], scale_dtype: typ
         assert len(set(outs.values())) == 1, f"{mode}: paths differ"
 
 
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTH_IDS)
+def test_two_strips_at_once_give_the_same_bits(width: tuple[int, str], monkeypatch) -> None:
+    """A tuned variant that reads two strips at once (n4x2) takes the other widths with it.
+
+    KernelTable::matmul_for runs every width's int8 decode over two strips when the 4-bit
+    variant does; N = 600 is short strips paired across a window, then one alone and a tile.
+    """
+    t = table(300, 600, 32, width[0], np.int8, grid=width[1])
+    a = np.random.default_rng(2).standard_normal((1, 300), dtype=np.float32)
+    model = op_model(t.attributes(compute="int8"), [["M", 300]])
+    monkeypatch.setenv(KERNEL_ENV, "portable")
+    want = run(model, a).tobytes()
+    for kernel in KERNELS:
+        if kernel == "portable":
+            continue
+        monkeypatch.setenv(KERNEL_ENV, kernel)
+        monkeypatch.setenv("CIM_INT4_VARIANT", "n4x2-pf2k")
+        assert run(model, a).tobytes() == want, f"{kernel}: n4x2-pf2k's {width[0]}-bit decode differs from portable"
+
+
 def input_form(t: Table, **attrs: object) -> onnx.ModelProto:
     """The same node with codes and scales as constant-initializer inputs (a tied LM head)."""
     node = helper.make_node(OP_TYPE, ["A0", *t.inputs()], ["Y0"], name="head", domain=OP_DOMAIN, K=t.k, N=t.n,

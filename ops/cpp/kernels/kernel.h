@@ -235,6 +235,9 @@ struct KernelVariant {
   // Prefetches with the NTA hint, so its pass leaves less of the stream in the caches than
   // a plain one: the tuner times these last in a round (tune/tuner.cpp).
   bool nta = false;
+  // Strips int8 mode reads at once (2: the n4x2 rows). The other code widths follow it when
+  // this variant is the tuned one (KernelTable::matmul_for).
+  int int8_strips = 1;
 };
 
 // One table per instruction set, filled in the translation unit compiled for it.
@@ -245,14 +248,19 @@ struct KernelTable {
   int defaults[2];  // the variant each mode runs untuned, per Mode
   QuantizeAFn quantize_a;
   // The kernels of every code width, indexed by bits (entries of widths the contract
-  // lacks are empty). Widths other than 4 run the default decode parameters; entry 4 is
-  // the default variant (the tuner picks among `variants` for 4-bit codes).
-  const KernelVariant* widths;  // [kMaxBits + 1]
+  // lacks are empty): widths other than 4 run fixed decode parameters, int8 mode one strip
+  // at a time (`widths`) or two (`widths_x2`, the same kernels in fp32 mode); entry 4 is the
+  // default variant (the tuner picks among `variants` for 4-bit codes).
+  const KernelVariant* widths;     // [kMaxBits + 1]
+  const KernelVariant* widths_x2;  // [kMaxBits + 1]
 
   const KernelVariant& default_variant(Mode mode) const { return variants[defaults[mode]]; }
-  // The kernel of `mode` for codes of `bits` bits; `tuned` is the variant chosen for 4-bit codes.
+  // The kernel of `mode` for codes of `bits` bits; `tuned` is the variant chosen for 4-bit
+  // codes: another width reads as many strips at once as it does (a core whose one stream
+  // holds too few lines in flight for 4-bit codes holds too few for any width).
   MatMulFn matmul_for(int bits, Mode mode, const KernelVariant& tuned) const {
-    return bits == 4 ? tuned.matmul[mode] : widths[bits].matmul[mode];
+    if (bits == 4) return tuned.matmul[mode];
+    return (tuned.int8_strips == 2 ? widths_x2 : widths)[bits].matmul[mode];
   }
   // The variant called `name`, or nullptr.
   const KernelVariant* find_variant(const char* name) const;

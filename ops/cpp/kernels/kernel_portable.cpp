@@ -213,7 +213,7 @@ const KernelTable& portable_kernels() {
   // One kernel reads every width.
   static const KernelVariant widths[kMaxBits + 1] = {
       {}, {}, variants[0], variants[0], variants[0], variants[0], variants[0], {}, variants[0]};
-  static const KernelTable table{"portable", variants, 1, {0, 0}, quantize_a_portable, widths};
+  static const KernelTable table{"portable", variants, 1, {0, 0}, quantize_a_portable, widths, widths};
   return table;
 }
 

@@ -54,7 +54,8 @@ constexpr KernelVariant variant(const char* name) {
   return KernelVariant{name,
                        {variant_matmul<S, D, 4, false, NT, kAhead, kHint, false, kStrips>,
                         variant_matmul<S, D, 4, true, NT, kAhead, kHint, kNarrow, kNarrow ? kStrips : 1>},
-                       kAhead > 0 && kHint == _MM_HINT_NTA};
+                       kAhead > 0 && kHint == _MM_HINT_NTA,
+                       kNarrow ? kStrips : 1};
 }
 
 constexpr int kT0 = _MM_HINT_T0;
@@ -100,30 +101,42 @@ struct Variants {
   static constexpr int count = int(sizeof all / sizeof all[0]) - (std::is_same_v<S, Y> ? kYmmRows : 0);
 };
 
-// Per code width, the kernels at the defaults' decode parameters (4 tiles side by side,
-// 12 KiB prefetch in fp32 mode, 6 KiB in int8 mode; with kNarrow, int8 mode one vector at
-// a time as the n4 variants, 12 KiB). Entry 4 is the 4-bit default pair.
-template <class S, bool kNarrow>
+// Per code width, the kernels at fixed decode parameters: fp32 mode 4 tiles side by side,
+// 12 KiB prefetch (compute-bound at widths other than 4: two strips at once ran level on an
+// Intel Xeon); int8 mode one vector at a time (int8_narrow) over kStrips strips at once,
+// kAhead ahead. Entry 4 is the 4-bit default pair.
+template <class S, int64_t kAhead, int kStrips>
 struct Widths {
   template <int kBits>
   static constexpr KernelVariant at(const char* name) {
-    return KernelVariant{name, {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
-                                variant_matmul<S, S, kBits, true, 4, kNarrow ? 12288 : 6144, kT0, kNarrow>}};
+    return KernelVariant{name,
+                         {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
+                          variant_matmul<S, S, kBits, true, 4, kAhead, kT0, true, kStrips>},
+                         false,
+                         kStrips};
   }
   static constexpr KernelVariant all[kMaxBits + 1] = {
-      {}, {}, at<2>("bits2"), at<3>("bits3"), at<4>("bits4"), at<5>("bits5"), at<6>("bits6"), {}, at<8>("bits8")};
+      {}, {}, at<2>(kStrips == 2 ? "bits2-x2" : "bits2"), at<3>(kStrips == 2 ? "bits3-x2" : "bits3"),
+      at<4>(kStrips == 2 ? "bits4-x2" : "bits4"), at<5>(kStrips == 2 ? "bits5-x2" : "bits5"),
+      at<6>(kStrips == 2 ? "bits6-x2" : "bits6"), {}, at<8>(kStrips == 2 ? "bits8-x2" : "bits8")};
 };
 
 // The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;
 // int8 mode `int8_default` (an n4 row: one vector at a time beat t4 by 1.4x on a Zen 3
-// and 1.7-2.3x on a Zen 4, docs/tuning.md); with kNarrowWidths the other code widths run
-// one vector at a time too (16-register ISAs: their t4 sums spill). A default name the
-// grid lacks is a bug in this file: abort when the table is made (every test's first
-// kernel call).
-template <class S, class Y = S, bool kNarrowWidths = false>
+// and 1.7-2.3x on a Zen 4, docs/tuning.md). The other code widths run one vector at a
+// time in int8 mode too, one strip at a time kWidthsAhead ahead (the int8 default's
+// distance), or two strips 2 KiB ahead (n4x2-pf2k's: on an Intel Xeon 3-bit decode went
+// from 0.51 to 0.83 of the read probe, docs/widths.md). A default name the grid lacks is a
+// bug in this file: abort when the table is made (every test's first kernel call).
+template <class S, class Y = S, int64_t kWidthsAhead = 6144>
 KernelTable make_table(const char* name, const char* int8_default) {
-  KernelTable table{name, Variants<S, Y>::all, Variants<S, Y>::count, {0, 0}, TileKernels<S>::quantize_a,
-                    Widths<S, kNarrowWidths>::all};
+  KernelTable table{name,
+                    Variants<S, Y>::all,
+                    Variants<S, Y>::count,
+                    {0, 0},
+                    TileKernels<S>::quantize_a,
+                    Widths<S, kWidthsAhead, 1>::all,
+                    Widths<S, 2048, 2>::all};
   const KernelVariant* fp32 = table.find_variant("t4-pf12k");
   const KernelVariant* int8 = table.find_variant(int8_default);
   if (fp32 == nullptr || int8 == nullptr) std::abort();

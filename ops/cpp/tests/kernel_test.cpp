@@ -741,9 +741,14 @@ int main() {
       if (!check_accuracy(mode, p, oracle, accuracy[mi])) ++accuracy[mi].failures;
       for (size_t t = 0; t < tables.size(); ++t) {
         Tally& tally = tallies[2 * t + mi];
-        if (s.bits != 4) {  // other widths: the table's one kernel per width
-          ++tally.cases;
-          if (!check_variant(*tables[t], tables[t]->widths[s.bits], mode, p, oracle, rng, false)) ++tally.failures;
+        if (s.bits != 4) {  // other widths: the table's kernels per width, one strip and (int8 mode) two at once
+          for (const cim::KernelVariant* set : {tables[t]->widths, tables[t]->widths_x2}) {
+            if (set != tables[t]->widths && set[s.bits].matmul[mi] == tables[t]->widths[s.bits].matmul[mi]) continue;
+            ++tally.cases;
+            if (!check_variant(*tables[t], set[s.bits], mode, p, oracle, rng, set != tables[t]->widths)) {
+              ++tally.failures;
+            }
+          }
           continue;
         }
         for (int v = 0; v < tables[t]->variant_count; ++v) {

@@ -6,9 +6,11 @@
 //
 //   g++ -O2 -std=c++17 -mavx2 -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
 //       ops/cpp/tools/width_bench.cpp <build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o width_bench
-//   CIM_INT4_KERNEL=avx512_vnni ./width_bench [K N CALLS]     (default 576 1536 500: 0.3-0.9 MB)
+//   CIM_INT4_KERNEL=avx512_vnni [CIM_INT4_VARIANT=n4x2-pf2k] ./width_bench [K N CALLS]
+//                                                         (default 576 1536 500: 0.3-0.9 MB)
 //
-// Per width (4: the table's int8 default variant), the fastest of 5 passes of CALLS calls on the
+// Per width (4: the table's int8 default variant, or CIM_INT4_VARIANT's; the other widths
+// follow its form, KernelTable::matmul_for), the fastest of 5 passes of CALLS calls on the
 // same weights, float16 scales, group 32: GB/s of the stream and billions of weights a second.
 #include <algorithm>
 #include <chrono>
@@ -44,8 +46,16 @@ int main(int argc, char** argv) {
   std::vector<int32_t> qz(static_cast<size_t>(K / 32));
   table->quantize_a(A.data(), 1, K, K, 32, q.data(), qs.data(), qz.data());
   const QuantizedA qa{q.data(), qs.data(), qz.data()};
-  std::printf("%s table, %lld x %lld, %d calls a pass\n", name, static_cast<long long>(K), static_cast<long long>(N),
-              calls);
+  // The 4-bit variant whose decode form the other widths follow (one strip or two at once).
+  const char* variant_env = std::getenv("CIM_INT4_VARIANT");
+  const KernelVariant* variant =
+      variant_env != nullptr ? table->find_variant(variant_env) : &table->variants[table->defaults[kInt8]];
+  if (variant == nullptr) {
+    std::fprintf(stderr, "CIM_INT4_VARIANT=%s is not a variant of the %s table\n", variant_env, name);
+    return 1;
+  }
+  std::printf("%s table, variant %s, %lld x %lld, %d calls a pass\n", name, variant->name,
+              static_cast<long long>(K), static_cast<long long>(N), calls);
   for (int bits : {2, 3, 4, 5, 6, 8}) {
     std::vector<uint8_t> packed(static_cast<size_t>(N * K * bits / 8));
     for (auto& b : packed) b = static_cast<uint8_t>(rng());
@@ -60,7 +70,7 @@ int main(int argc, char** argv) {
     }
     const PackedWeights& w = st.weights();
     const MatMulArgs args{A.data(), 1, K, Y.data(), N, &w, &qa};
-    const MatMulFn fn = table->matmul_for(bits, kInt8, table->variants[table->defaults[kInt8]]);
+    const MatMulFn fn = table->matmul_for(bits, kInt8, *variant);
     double best = 1e9;
     for (int pass = 0; pass < 5; ++pass) {
       const auto t0 = std::chrono::steady_clock::now();
