@@ -9,7 +9,7 @@ namespace cim {
 const KernelTable& avx2_kernels() {
   // int8 mode: the one-vector-at-a-time loop (16 registers; measured on Zen 3: 0.83-0.86
   // of a streaming read against 0.55-0.62 for t4-pf6k, docs/tuning.md).
-  static const KernelTable table = make_table<Avx2<Dot::kMaddubs>, Avx2<Dot::kMaddubs>, 12288>("avx2", "n4-pf12k");
+  static const KernelTable table = make_table<Avx2<Dot::kMaddubs>, Avx2<Dot::kMaddubs>, true>("avx2", "n4-pf12k");
   return table;
 }
 

@@ -103,15 +103,15 @@ struct Variants {
 
 // Per code width, the kernels at fixed decode parameters: fp32 mode 4 tiles side by side,
 // 12 KiB prefetch (compute-bound at widths other than 4: two strips at once ran level on an
-// Intel Xeon); int8 mode one vector at a time (int8_narrow) over kStrips strips at once,
-// kAhead ahead. Entry 4 is the 4-bit default pair.
-template <class S, int64_t kAhead, int kStrips>
+// Intel Xeon); int8 mode over kStrips strips at once kAhead ahead, one vector at a time
+// with kNarrow (int8_narrow), else 4 tiles side by side. Entry 4 is the 4-bit default pair.
+template <class S, int64_t kAhead, int kStrips, bool kNarrow>
 struct Widths {
   template <int kBits>
   static constexpr KernelVariant at(const char* name) {
     return KernelVariant{name,
                          {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
-                          variant_matmul<S, S, kBits, true, 4, kAhead, kT0, true, kStrips>},
+                          variant_matmul<S, S, kBits, true, 4, kAhead, kT0, kNarrow, kStrips>},
                          false,
                          kStrips};
   }
@@ -123,20 +123,22 @@ struct Widths {
 
 // The kernel table of traits S (and its 256-bit form Y). Defaults: fp32 mode t4-pf12k;
 // int8 mode `int8_default` (an n4 row: one vector at a time beat t4 by 1.4x on a Zen 3
-// and 1.7-2.3x on a Zen 4, docs/tuning.md). The other code widths run one vector at a
-// time in int8 mode too, one strip at a time kWidthsAhead ahead (the int8 default's
-// distance), or two strips 2 KiB ahead (n4x2-pf2k's: on an Intel Xeon 3-bit decode went
-// from 0.51 to 0.83 of the read probe, docs/widths.md). A default name the grid lacks is a
-// bug in this file: abort when the table is made (every test's first kernel call).
-template <class S, class Y = S, int64_t kWidthsAhead = 6144>
+// and 1.7-2.3x on a Zen 4, docs/tuning.md). The other code widths in int8 mode: one strip
+// at a time, 4 tiles side by side 6 KiB ahead or, with kNarrowWidths, one vector at a time
+// 12 KiB ahead (16-register ISAs: their t4 sums spill; one vector at a time with 32
+// registers ran 2-bit decode 0.81x on an Intel Xeon); or two strips at once, one vector at a time 2 KiB ahead
+// (n4x2-pf2k's parameters: on an Intel Xeon 3-bit decode went from 0.51 to 0.78 of the read
+// probe, docs/widths.md). A default name the grid lacks is a bug in this file: abort when
+// the table is made (every test's first kernel call).
+template <class S, class Y = S, bool kNarrowWidths = false>
 KernelTable make_table(const char* name, const char* int8_default) {
   KernelTable table{name,
                     Variants<S, Y>::all,
                     Variants<S, Y>::count,
                     {0, 0},
                     TileKernels<S>::quantize_a,
-                    Widths<S, kWidthsAhead, 1>::all,
-                    Widths<S, 2048, 2>::all};
+                    Widths<S, kNarrowWidths ? 12288 : 6144, 1, kNarrowWidths>::all,
+                    Widths<S, 2048, 2, true>::all};
   const KernelVariant* fp32 = table.find_variant("t4-pf12k");
   const KernelVariant* int8 = table.find_variant(int8_default);
   if (fp32 == nullptr || int8 == nullptr) std::abort();
