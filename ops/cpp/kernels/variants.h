@@ -126,10 +126,10 @@ struct Widths {
 // and 1.7-2.3x on a Zen 4, docs/tuning.md). The other code widths in int8 mode: one strip
 // at a time, 4 tiles side by side 6 KiB ahead or, with kNarrowWidths, one vector at a time
 // 12 KiB ahead (16-register ISAs: their t4 sums spill; one vector at a time with 32
-// registers ran 2-bit decode 0.81x on an Intel Xeon); or two strips at once, one vector at a time 2 KiB ahead
-// (n4x2-pf2k's parameters: on an Intel Xeon 3-bit decode went from 0.51 to 0.78 of the read
-// probe, docs/widths.md). A default name the grid lacks is a bug in this file: abort when
-// the table is made (every test's first kernel call).
+// registers ran 2-bit decode 0.81x on an Intel Xeon); or two strips at once, one vector at
+// a time 2 KiB ahead (n4x2-pf2k's parameters: on an Intel Xeon 3-bit decode went from 0.51
+// to 0.78 of the read probe, docs/widths.md). A default name the grid lacks is a bug in
+// this file: abort when the table is made (every test's first kernel call).
 template <class S, class Y = S, bool kNarrowWidths = false>
 KernelTable make_table(const char* name, const char* int8_default) {
   KernelTable table{name,
