@@ -5,10 +5,11 @@
 //
 // Per block of kPanelK inputs: A's rows are packed input by input (R floats per input for
 // each block of R rows); the 4-bit codes of kPanelTiles tiles are unpacked once into
-// panels of floats c - 8 (16 per input, with the groups' scales); then each block of R
-// rows runs over the panels one after the other, its packed A staying in L1 while the
-// panels come from L2 (the blocking of a float GEMM). The row loop is a float GEMM's: a
-// panel load per vector, a broadcast per row, FMAs, and no unpacking per block of rows.
+// panels of floats c - 8 (16 per input, with the groups' scales; on AVX-512 by the first
+// block of rows as it runs, kMakeInRows); then each block of R rows runs over the panels
+// one after the other, its packed A staying in L1 while the panels come from L2 (the
+// blocking of a float GEMM). The row loop is a float GEMM's: a panel load per vector, a
+// broadcast per row, FMAs, and no unpacking per block of rows after the first.
 // Every output gets the portable kernel's arithmetic (tile_kernels.h's header): per group
 // t = fma(a_k, c_k - 8, t) for k in order, then acc = fma(t, scale, acc); partial sums wait
 // in Y between blocks of K, exactly.
@@ -37,8 +38,16 @@ struct PanelKernels {
   static constexpr int kVecs = T::kVecs;
   static constexpr int kRows = S::kPrefillRowsFp32;  // R
 
-  static constexpr int64_t kPanelK = 512;     // inputs per panel: 512 x 16 floats = 32 KB
-  static constexpr int64_t kPanelTiles = 4;   // panels made at once: 128 KB, in L2
+  // The first block of rows makes the panels as it runs, each code row unpacked into
+  // registers, stored and used at once, where a pass before the rows made them (AVX-512,
+  // 32 registers; Intel Xeon, M = 32 / 64 / 128: 1.11-1.15x / 1.05x / 1.02-1.03x the
+  // pass, level at 512). AVX2 (16 registers) keeps the pass: the other form ran 0.97x at
+  // M = 128 there, level at 32.
+  static constexpr bool kMakeInRows = kVecs == 1;
+  static constexpr int64_t kPanelK = 512;  // inputs per panel: 512 x 16 floats = 32 KB
+  // Panels made at once: 64 KB (AVX-512, two per pass: 1.01x four on the Intel Xeon) or
+  // 128 KB, in L2.
+  static constexpr int64_t kPanelTiles = kMakeInRows ? 2 : 4;
   // Tiles per pass of a block of rows: two vectors of channels per row (AVX2: one tile of
   // 2 ymm; AVX-512: two tiles of 1 zmm), so 6 rows keep 12 independent FMA chains. With
   // one zmm per row (6 chains) the AVX-512 loop ran at 0.8x this on an Intel Xeon.
@@ -87,13 +96,47 @@ struct PanelKernels {
     }
   }
 
+  // Group g of tiles t0 .. t0 + NP - 1 made as make_panel makes it (tile i's floats at
+  // p + i * kPanelFloats, its scales at sc + i * kScaleFloats) while R rows of packed A
+  // (ag) run against it into t: each code row unpacked once, stored and used.
+  template <int R, int NP, int kSc>
+  static CIM_INLINE void make_group(const PackedWeights& w, int64_t t0, int64_t g, float* p, float* sc,
+                                    const float* ag, F (&t)[R][NP * kVecs]) {
+    constexpr int V = NP * kVecs;
+    const uint8_t* blk[NP];
+    const uint8_t* scl[NP];
+    for (int i = 0; i < NP; ++i) {
+      blk[i] = w.block(t0 + i, g);
+      scl[i] = w.scales(t0 + i, g);
+    }
+    for (int64_t v = 0; v < w.group_size / 8; ++v) {
+      I row[V];
+      for (int x = 0; x < V; ++x) row[x] = S::fp32_codes(T::template code_row<NP>(blk, v, x));
+      static_for<8>([&](auto jc) CIM_INLINE_LAMBDA {
+        constexpr int j = decltype(jc)::value;
+        F wv[V];
+        for (int x = 0; x < V; ++x) {
+          wv[x] = S::template code_minus_8<j>(row[x]);
+          S::store(p + (x / kVecs) * kPanelFloats + (x % kVecs) * S::kLanes + (8 * v + j) * kTileN, wv[x]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const F av = S::set1(ag[(8 * v + j) * kRows + r]);
+          for (int x = 0; x < V; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
+        }
+      });
+    }
+    for (int x = 0; x < V; ++x) {
+      S::store(sc + (x / kVecs) * kScaleFloats + (x % kVecs) * S::kLanes, T::template scales_of<NP, kSc>(w, scl, t0, g, x));
+    }
+  }
+
   // Rows m0 .. m0 + R - 1 against the panels of NP tiles t0 .. t0 + NP - 1, groups [g0, g1)
   // (tile t0 + i's panel at panel + i * kPanelFloats, its scales at scales + i *
   // kScaleFloats); `a` is the rows' packed A (input k0 + j of row r at a[j * kRows + r], k0
-  // the panel's first input).
-  template <int R, int NP>
-  static void rows(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
-                   int64_t m0, int64_t g0, int64_t g1) {
+  // the panel's first input). With kMake, these rows make the panels' groups as they go.
+  template <int R, int NP, bool kMake, int kSc>
+  static void rows(const MatMulArgs& args, float* panel, float* scales, const float* a, int64_t t0, int64_t m0,
+                   int64_t g0, int64_t g1) {
     const PackedWeights& w = *args.W;
     constexpr int V = NP * kVecs;  // vectors of channels per row
     F init[R][V];
@@ -107,7 +150,7 @@ struct PanelKernels {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t k0 = g * w.group_size;
       const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
-      const float* p = panel + (g - g0) * w.group_size * kTileN;
+      float* p = panel + (g - g0) * w.group_size * kTileN;
       const float* ag = a + (g - g0) * w.group_size * kRows;
       F t[R][V];
       for (int r = 0; r < R; ++r)
@@ -120,10 +163,19 @@ struct PanelKernels {
           for (int x = 0; x < V; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
         }
       };
-      if (valid == w.group_size) {  // group sizes are multiples of 8
-        for (int64_t j = 0; j < valid; j += 8) static_for<8>([&](auto jc) CIM_INLINE_LAMBDA { step(j + jc); });
+      if (kMake && valid == w.group_size) {
+        make_group<R, NP, kSc>(w, t0, g, p, scales + (g - g0) * kTileN, ag, t);
       } else {
-        for (int64_t j = 0; j < valid; ++j) step(j);
+        if (kMake) {  // a last, partial group: its panel made first, then run as the others run
+          for (int i = 0; i < NP; ++i) {
+            make_panel<kSc>(w, t0 + i, g, g + 1, p + i * kPanelFloats, scales + i * kScaleFloats + (g - g0) * kTileN);
+          }
+        }
+        if (valid == w.group_size) {  // group sizes are multiples of 8
+          for (int64_t j = 0; j < valid; j += 8) static_for<8>([&](auto jc) CIM_INLINE_LAMBDA { step(j + jc); });
+        } else {
+          for (int64_t j = 0; j < valid; ++j) step(j);
+        }
       }
       for (int x = 0; x < V; ++x) {
         const F s = S::load(scales + scale_at(x) + (g - g0) * kTileN);
@@ -140,16 +192,27 @@ struct PanelKernels {
   }
 
   // 1 <= n <= kRows rows.
-  template <int NP, int R = kRows>
-  static void rows_n(const MatMulArgs& args, const float* panel, const float* scales, const float* a, int64_t t0,
+  template <int NP, bool kMake, int kSc, int R = kRows>
+  static void rows_n(const MatMulArgs& args, float* panel, float* scales, const float* a, int64_t t0,
                      int64_t m0, int64_t n, int64_t g0, int64_t g1) {
     if constexpr (R >= 1) {
       if (n == R) {
-        rows<R, NP>(args, panel, scales, a, t0, m0, g0, g1);
+        rows<R, NP, kMake, kSc>(args, panel, scales, a, t0, m0, g0, g1);
       } else {
-        rows_n<NP, R - 1>(args, panel, scales, a, t0, m0, n, g0, g1);
+        rows_n<NP, kMake, kSc, R - 1>(args, panel, scales, a, t0, m0, n, g0, g1);
       }
     }
+  }
+
+  // A block of n rows (packed at a) against the panels of tiles [n0, n1), kPassTiles at a time.
+  template <bool kMake, int kSc>
+  static void tiles(const MatMulArgs& args, const Scratch& s, int64_t n0, int64_t n1, const float* a, int64_t m0,
+                    int64_t n, int64_t g0, int64_t g1) {
+    int64_t t = n0;
+    for (; t + kPassTiles <= n1; t += kPassTiles) {
+      rows_n<kPassTiles, kMake, kSc>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
+    }
+    for (; t < n1; ++t) rows_n<1, kMake, kSc>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
   }
 
   // Rows [m0, m1) go in row_blocks(m0, m1) blocks of at most kRows rows, as even as they go:
@@ -191,16 +254,18 @@ struct PanelKernels {
         pack_a(args, s0, s1, k0, len, s.a);
         for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
           const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
-          for (int64_t t = n0; t < n1; ++t) make_panel<kSc>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
+          if (!kMakeInRows) {
+            for (int64_t t = n0; t < n1; ++t) make_panel<kSc>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
+          }
           for (int64_t b = 0; b < row_blocks(s0, s1); ++b) {
             const int64_t m0 = row_of(s0, s1, b);
             const int64_t n = row_of(s0, s1, b + 1) - m0;
             const float* a = s.a + b * kPanelK * kRows;
-            int64_t t = n0;
-            for (; t + kPassTiles <= n1; t += kPassTiles) {
-              rows_n<kPassTiles>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
+            if (kMakeInRows && b == 0) {
+              tiles<true, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
+            } else {
+              tiles<false, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
             }
-            for (; t < n1; ++t) rows_n<1>(args, s.panel(t - n0), s.scales(t - n0), a, t, m0, n, g0, g1);
           }
         }
       }

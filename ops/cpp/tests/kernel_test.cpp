@@ -488,8 +488,9 @@ std::vector<Shape> shapes() {
     out.push_back(s);
   };
   // fp32 prefill by panel (panel_kernels.h, AVX2 and AVX-512): more rows than one packed
-  // block of A (192), tiles past one chunk of 4 with a partial last one, K past one panel
-  // of 512 inputs with a tail.
+  // block of A (192), so more than one first block of rows (which makes the panels on
+  // AVX-512), tiles past one chunk (2 tiles on AVX-512, 4 on AVX2) with a partial last one,
+  // K past one panel of 512 inputs with a tail (a partial last group).
   for (int64_t g : {16, 32, 256}) {
     for (int64_t k : {513, 1031}) {
       for (int64_t m : {200, 385}) long_shape(m, 100, k, g, m == 200 ? 3 : 0, k == 513, g == 16);
@@ -501,7 +502,7 @@ std::vector<Shape> shapes() {
     for (int64_t m : {28, 196}) long_shape(m, 100, 1031, g, 0, m == 28, false);
   }
   // AVX-512 takes a panel's tiles two at a time: a partial last tile inside a pair (N = 120:
-  // tiles 4-7 of the second chunk, the last one of 8 channels) and one left alone (N = 100).
+  // tiles 6-7, the last one of 8 channels) and one left alone (N = 100: tile 6).
   for (int64_t m : {30, 200}) long_shape(m, 120, 1031, 32, 0, m == 30, m == 200);
   // M = 128 and 129 for a few K.
   for (int64_t g : {32, 128}) {
