@@ -16,8 +16,9 @@
 //
 // Measured (docs/benchmarks.md): on an AVX2-only Zen 3 1.14-1.45x prefill by block
 // (prefill_kernels.h) at M = 128 (with one tile per panel pass and 256 inputs, no faster);
-// on an Intel Xeon (AVX-512) 1.05x at M = 32, 1.22x at 128, 1.27x at 512; on a Zen 4 a
-// similar 6 x 2-zmm form was level with prefill by block.
+// on an Intel Xeon (AVX-512) 1.05x at M = 32, 1.22x at 128, 1.27x at 512 with the panels
+// made in a pass of their own (kMakeInRows adds 1.11-1.13x at 32, 1.02-1.03x at 128); on a
+// Zen 4 a similar 6 x 2-zmm form was level with prefill by block.
 #pragma once
 
 #include <cstdint>
@@ -105,10 +106,7 @@ struct PanelKernels {
     constexpr int V = NP * kVecs;
     const uint8_t* blk[NP];
     const uint8_t* scl[NP];
-    for (int i = 0; i < NP; ++i) {
-      blk[i] = w.block(t0 + i, g);
-      scl[i] = w.scales(t0 + i, g);
-    }
+    T::template blocks_of<NP>(w, t0, g, blk, scl);
     for (int64_t v = 0; v < w.group_size / 8; ++v) {
       I row[V];
       for (int x = 0; x < V; ++x) row[x] = S::fp32_codes(T::template code_row<NP>(blk, v, x));
@@ -163,14 +161,18 @@ struct PanelKernels {
           for (int x = 0; x < V; ++x) t[r][x] = S::fma(av, wv[x], t[r][x]);
         }
       };
-      if (kMake && valid == w.group_size) {
-        make_group<R, NP, kSc>(w, t0, g, p, scales + (g - g0) * kTileN, ag, t);
-      } else {
-        if (kMake) {  // a last, partial group: its panel made first, then run as the others run
+      bool made = false;  // made and run by make_group
+      if constexpr (kMake) {
+        if (valid == w.group_size) {
+          make_group<R, NP, kSc>(w, t0, g, p, scales + (g - g0) * kTileN, ag, t);
+          made = true;
+        } else {  // a last, partial group: its panel made first, then run as the others run
           for (int i = 0; i < NP; ++i) {
             make_panel<kSc>(w, t0 + i, g, g + 1, p + i * kPanelFloats, scales + i * kScaleFloats + (g - g0) * kTileN);
           }
         }
+      }
+      if (!made) {
         if (valid == w.group_size) {  // group sizes are multiples of 8
           for (int64_t j = 0; j < valid; j += 8) static_for<8>([&](auto jc) CIM_INLINE_LAMBDA { step(j + jc); });
         } else {
@@ -261,11 +263,13 @@ struct PanelKernels {
             const int64_t m0 = row_of(s0, s1, b);
             const int64_t n = row_of(s0, s1, b + 1) - m0;
             const float* a = s.a + b * kPanelK * kRows;
-            if (kMakeInRows && b == 0) {
-              tiles<true, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
-            } else {
-              tiles<false, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
+            if constexpr (kMakeInRows) {
+              if (b == 0) {
+                tiles<true, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
+                continue;
+              }
             }
+            tiles<false, kSc>(args, s, n0, n1, a, m0, n, g0, g1);
           }
         }
       }

@@ -171,13 +171,15 @@ struct PlaneKernels {
     return d;
   }
 
-  // int8_vector for 3-bit uniform codes with vpdpbusd (kInPlace3), `v` the vector's bytes in
+  // int8_vector for 3-bit uniform codes with vpdpbusd (kInPlace3), `at` the vector's bytes in
   // the group's first chunk. Quad Q's 2-bit low field stays where its low row holds it (bits
   // 2j, j = Q % 4; j = 3 shifted down by 2 to bits 4-5) and its high bit is shifted beside it,
   // so the byte holds 4^p * u (p = 0, 1, 2; u <= 7, so <= 112); each power p has its own sum,
   // and the group's d adds them shifted down by 2p (exact: each is 4^p times an integer). Per
-  // 8 quads 7 shifts, 16 ands / ors and 8 vpdpbusd, where quad() takes 13, 24 and 8.
-  static CIM_INLINE I int8_vector3(const uint8_t* v, const int8_t* q, int64_t per_chunk, int64_t bytes,
+  // 8 quads 7 shifts where quad() takes 13, and each of the chunk's three rows loaded once;
+  // the ands and ors are as many (an and and a vpternlogd a quad on AVX-512).
+  static_assert(!kInPlace3 || (kP.lo == 2 && kP.hi == 1), "int8_vector3 reads 3-bit codes as 2 low bits + 1 high");
+  static CIM_INLINE I int8_vector3(const uint8_t* at, const int8_t* q, int64_t per_chunk, int64_t bytes,
                                    int64_t high, int64_t group_size, I d) {
     I s[3] = {S::zero_i(), S::zero_i(), S::zero_i()};
     auto put = [&](int p, I low, int mask, I top, int bit, int64_t k) CIM_INLINE_LAMBDA {
@@ -185,9 +187,9 @@ struct PlaneKernels {
                          S::and_(top, S::set1_i8(static_cast<char>(bit))));
       s[p] = S::dot4(s[p], u, S::set1_i32(load_i32(q + k)));
     };
-    for (int64_t c = 0; c * per_chunk < group_size; ++c, v += bytes, q += per_chunk) {
-      const I lo0 = S::loadi(v);
-      const I hi = S::loadi(v + high);
+    for (int64_t ch = 0; ch * per_chunk < group_size; ++ch, at += bytes, q += per_chunk) {
+      const I lo0 = S::loadi(at);
+      const I hi = S::loadi(at + high);
       // Quads 0-3 (low row 0, high bits 0-3); shifts on 16-bit lanes, the masks keep bits of
       // the byte's own.
       const I hi3 = S::template shl16<3>(hi);
@@ -196,7 +198,7 @@ struct PlaneKernels {
       put(2, lo0, 0x30, S::template shl16<4>(hi), 0x40, 8);
       put(2, S::template shr16<2>(lo0), 0x30, hi3, 0x40, 12);
       if (per_chunk > 16) {  // quads 4-7: low row 1, high bits 4-7
-        const I lo1 = S::loadi(v + kCodeRowBytes);
+        const I lo1 = S::loadi(at + kCodeRowBytes);
         const I hi1 = S::template shr16<1>(hi);
         put(0, lo1, 0x03, S::template shr16<2>(hi), 0x04, 16);
         put(1, lo1, 0x0C, hi1, 0x10, 20);
