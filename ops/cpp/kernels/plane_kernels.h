@@ -135,17 +135,12 @@ struct PlaneKernels {
   // the whole group into d, the quads' int16 pair sums flushed every kFlush quads
   // (pair_steps: never saturating), 8-bit codes one dot4_u8 per quad.
   static constexpr int kFlush = pair_steps(kBits) < 8 ? pair_steps(kBits) : 8;  // 8, 4 or 2 (0: 8-bit, unused)
-  // 3-bit uniform codes with vpdpbusd: int8_vector3's fields in place.
-  static constexpr bool kInPlace3 = kBits == 3 && !kTable && !S::kPairDot;
   template <int NT>
   static CIM_INLINE I int8_vector(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q, int x,
                                   I d) {
     const int64_t per_chunk = chunk_codes(w.group_size);
     const int64_t bytes = chunk_bytes(kBits, w.group_size);
     const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
-    if constexpr (kInPlace3) {
-      return int8_vector3(blk[x / kVecs] + (x % kVecs) * kVecBytes, q, per_chunk, bytes, high, w.group_size, d);
-    }
     for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
       const uint8_t* chunk = blk[x / kVecs] + ch * bytes;
       I s = S::zero_i();
@@ -169,44 +164,6 @@ struct PlaneKernels {
       }
     }
     return d;
-  }
-
-  // int8_vector for 3-bit uniform codes with vpdpbusd (kInPlace3), `at` the vector's bytes in
-  // the group's first chunk. Quad Q's 2-bit low field stays where its low row holds it (bits
-  // 2j, j = Q % 4; j = 3 shifted down by 2 to bits 4-5) and its high bit is shifted beside it,
-  // so the byte holds 4^p * u (p = 0, 1, 2; u <= 7, so <= 112); each power p has its own sum,
-  // and the group's d adds them shifted down by 2p (exact: each is 4^p times an integer). Per
-  // 8 quads 7 shifts where quad() takes 13, and each of the chunk's three rows loaded once;
-  // the ands and ors are as many (an and and a vpternlogd a quad on AVX-512).
-  static_assert(!kInPlace3 || (kP.lo == 2 && kP.hi == 1), "int8_vector3 reads 3-bit codes as 2 low bits + 1 high");
-  static CIM_INLINE I int8_vector3(const uint8_t* at, const int8_t* q, int64_t per_chunk, int64_t bytes,
-                                   int64_t high, int64_t group_size, I d) {
-    I s[3] = {S::zero_i(), S::zero_i(), S::zero_i()};
-    auto put = [&](int p, I low, int mask, I top, int bit, int64_t k) CIM_INLINE_LAMBDA {
-      const I u = S::or_(S::and_(low, S::set1_i8(static_cast<char>(mask))),
-                         S::and_(top, S::set1_i8(static_cast<char>(bit))));
-      s[p] = S::dot4(s[p], u, S::set1_i32(load_i32(q + k)));
-    };
-    for (int64_t ch = 0; ch * per_chunk < group_size; ++ch, at += bytes, q += per_chunk) {
-      const I lo0 = S::loadi(at);
-      const I hi = S::loadi(at + high);
-      // Quads 0-3 (low row 0, high bits 0-3); shifts on 16-bit lanes, the masks keep bits of
-      // the byte's own.
-      const I hi3 = S::template shl16<3>(hi);
-      put(0, lo0, 0x03, S::template shl16<2>(hi), 0x04, 0);
-      put(1, lo0, 0x0C, hi3, 0x10, 4);
-      put(2, lo0, 0x30, S::template shl16<4>(hi), 0x40, 8);
-      put(2, S::template shr16<2>(lo0), 0x30, hi3, 0x40, 12);
-      if (per_chunk > 16) {  // quads 4-7: low row 1, high bits 4-7
-        const I lo1 = S::loadi(at + kCodeRowBytes);
-        const I hi1 = S::template shr16<1>(hi);
-        put(0, lo1, 0x03, S::template shr16<2>(hi), 0x04, 16);
-        put(1, lo1, 0x0C, hi1, 0x10, 20);
-        put(2, lo1, 0x30, hi, 0x40, 24);
-        put(2, S::template shr16<2>(lo1), 0x30, hi1, 0x40, 28);
-      }
-    }
-    return S::add_i32(S::add_i32(d, s[0]), S::add_i32(S::template sar32<2>(s[1]), S::template sar32<4>(s[2])));
   }
 
   // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d.
