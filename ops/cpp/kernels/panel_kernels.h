@@ -41,7 +41,7 @@ struct PanelKernels {
 
   // The first block of rows makes the panels as it runs, each code row unpacked into
   // registers, stored and used at once, where a pass before the rows made them (AVX-512,
-  // 32 registers; Intel Xeon, M = 32 / 64 / 128: 1.11-1.15x / 1.05x / 1.02-1.03x the
+  // 32 registers; Intel Xeon, M = 32 / 64 / 128: 1.11-1.13x / 1.05x / 1.02-1.03x the
   // pass, level at 512). AVX2 (16 registers) keeps the pass: the other form ran 0.97x at
   // M = 128 there, level at 32.
   static constexpr bool kMakeInRows = kVecs == 1;
@@ -97,6 +97,11 @@ struct PanelKernels {
     }
   }
 
+  // Vector x of a row of NP tiles' panels (tile x / kVecs, lanes (x % kVecs) * kLanes
+  // onwards): its offset in the panels, and in their scales.
+  static constexpr int64_t at(int x) { return (x / kVecs) * kPanelFloats + (x % kVecs) * S::kLanes; }
+  static constexpr int64_t scale_at(int x) { return (x / kVecs) * kScaleFloats + (x % kVecs) * S::kLanes; }
+
   // Group g of tiles t0 .. t0 + NP - 1 made as make_panel makes it (tile i's floats at
   // p + i * kPanelFloats, its scales at sc + i * kScaleFloats) while R rows of packed A
   // (ag) run against it into t: each code row unpacked once, stored and used.
@@ -115,7 +120,7 @@ struct PanelKernels {
         F wv[V];
         for (int x = 0; x < V; ++x) {
           wv[x] = S::template code_minus_8<j>(row[x]);
-          S::store(p + (x / kVecs) * kPanelFloats + (x % kVecs) * S::kLanes + (8 * v + j) * kTileN, wv[x]);
+          S::store(p + at(x) + (8 * v + j) * kTileN, wv[x]);
         }
         for (int r = 0; r < R; ++r) {
           const F av = S::set1(ag[(8 * v + j) * kRows + r]);
@@ -124,7 +129,7 @@ struct PanelKernels {
       });
     }
     for (int x = 0; x < V; ++x) {
-      S::store(sc + (x / kVecs) * kScaleFloats + (x % kVecs) * S::kLanes, T::template scales_of<NP, kSc>(w, scl, t0, g, x));
+      S::store(sc + scale_at(x), T::template scales_of<NP, kSc>(w, scl, t0, g, x));
     }
   }
 
@@ -142,9 +147,6 @@ struct PanelKernels {
     alignas(64) float acc[R * V * S::kLanes];  // the running sums wait in L1 between groups
     for (int r = 0; r < R; ++r)
       for (int x = 0; x < V; ++x) S::store(acc + (r * V + x) * S::kLanes, init[r][x]);
-    // Vector x of a row: tile x / kVecs, lanes (x % kVecs) * kLanes onwards.
-    auto at = [](int x) { return (x / kVecs) * kPanelFloats + (x % kVecs) * S::kLanes; };
-    auto scale_at = [](int x) { return (x / kVecs) * kScaleFloats + (x % kVecs) * S::kLanes; };
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t k0 = g * w.group_size;
       const int64_t valid = w.K - k0 < w.group_size ? w.K - k0 : w.group_size;  // only k < K is read
@@ -256,7 +258,7 @@ struct PanelKernels {
         pack_a(args, s0, s1, k0, len, s.a);
         for (int64_t n0 = tile_begin; n0 < tile_end; n0 += kPanelTiles) {
           const int64_t n1 = n0 + kPanelTiles < tile_end ? n0 + kPanelTiles : tile_end;
-          if (!kMakeInRows) {
+          if constexpr (!kMakeInRows) {
             for (int64_t t = n0; t < n1; ++t) make_panel<kSc>(w, t, g0, g1, s.panel(t - n0), s.scales(t - n0));
           }
           for (int64_t b = 0; b < row_blocks(s0, s1); ++b) {
