@@ -3,7 +3,8 @@
 Beside FP32 ORT and MatMulNBits (accuracy levels 0 and 4) it times CimInt4MatMul in both compute
 modes as this machine runs them (its tuned profile, if any), and, on request, the same with the
 table's fixed default variants, with the AVX2 path forced, or with any named variant forced
-(``CIM_INT4_VARIANT``), so that every ratio of the table comes from the same rounds.
+(``CIM_INT4_VARIANT``), or both modes with another build of the op library (``--library``: an
+A/B of two builds in one run), so that every ratio of the table comes from the same rounds.
 
     .venv/bin/python tools/measure_decode.py --ms 1 --threads 1,2 --fixed --avx2 --json out.json
     .venv/bin/python tools/measure_decode.py --ms 128 --threads 1 --layers 4
@@ -41,6 +42,10 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         out.append(dataclasses.replace(int8, name=f"cim-int4 int8 {name}", env=(("CIM_INT4_VARIANT", name),)))
     for name in args.fp32_variant:
         out.append(dataclasses.replace(fp32, name=f"cim-int4 fp32 {name}", env=(("CIM_INT4_VARIANT", name),)))
+    if args.library:
+        for mode in (fp32, int8):
+            env = (("CIM_INT4_LIBRARY", args.library),)
+            out.append(dataclasses.replace(mode, name=f"{mode.name} other lib", env=env))
     return out
 
 
@@ -53,6 +58,7 @@ def main() -> None:
     p.add_argument("--avx2", action="store_true", help="also time int8 mode with the AVX2 path forced")
     p.add_argument("--variant", action="append", default=[], help="also time int8 mode with this variant forced")
     p.add_argument("--fp32-variant", action="append", default=[], help="also time fp32 mode with this variant forced")
+    p.add_argument("--library", default=None, help="also time both modes with this build of libcim_int4_ops.so")
     p.add_argument("--rounds", type=int, default=30, help="most interleaved rounds per case (default 30)")
     p.add_argument("--memory", action="store_true", help="also measure each variant's session memory")
     p.add_argument("--json", default=None, help="write the full report here")

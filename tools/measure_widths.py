@@ -9,9 +9,11 @@ at 2 and 3 bits the node with codes on the normal grid (``--normal-grid``: int8 
 and the read probe (ops/cpp/tools/bwprobe.cpp) once per round.
 Both compute modes of ours at M = 1 and M = 128, 1 and 2 threads. GB/s is bytes of the
 repacked stream (codes and scales) per second. Sessions use the kernels' default decode
-variant (no tuning, no profile), so float16 and float32 scales run the same loop.
+variant (no tuning, no profile), so float16 and float32 scales run the same loop; with
+``--tuned`` the variant this machine's profile chooses (as a user's session does: ``cim-int4
+tune`` makes the profile).
 
-    python tools/measure_widths.py [--layers 16 --dim 4096 --rounds 15] [--json out.json]
+    python tools/measure_widths.py [--layers 16 --dim 4096 --rounds 15] [--tuned] [--json out.json]
 
 Prints a markdown table; on a shared machine the ratios measured in one round-robin run
 are what to read (medians of per-round ratios), not the absolute times.
@@ -182,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 128])
     parser.add_argument("--int8-scales", action="store_true", help="also time int8 scales with super-scales")
     parser.add_argument("--normal-grid", action="store_true", help="at 2 and 3 bits also time the normal grid's codes")
+    parser.add_argument("--tuned", action="store_true",
+                        help="run the variant this machine's profile chooses, not the kernels' default")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    # The kernels' default decode variant for every session: no tuning, no profile.
-    os.environ["CIM_INT4_TUNE"] = "off"
-    os.environ["CIM_INT4_PROFILE"] = os.path.join(tempfile.mkdtemp(), "none.json")
+    if not args.tuned:  # the kernels' default decode variant for every session: no tuning, no profile
+        os.environ["CIM_INT4_TUNE"] = "off"
+        os.environ["CIM_INT4_PROFILE"] = os.path.join(tempfile.mkdtemp(), "none.json")
     probe = BandwidthProbe.for_this_machine()
     rows = []
     for bits in args.bits:
         rows += measure_width(bits, args, probe)
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}; "
+    variant = "the profile's variant" if args.tuned else "the default variant"
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}, {variant}; "
           f"chain {args.layers} x {args.dim}^2, group {GROUP}, {args.rounds} interleaved rounds at M = 1 "
           f"({args.prefill_rounds} at M > 1), medians")
     print(markdown(rows))

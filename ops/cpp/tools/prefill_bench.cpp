@@ -6,7 +6,11 @@
 //   g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -DCIM_INT4_X86_KERNELS -Iops/cpp
 //       ops/cpp/tools/prefill_bench.cpp <other build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o prefill_bench
 //   (one command line)
-//   ./prefill_bench M K N ROUNDS      (defaults 128 4096 4096 7; group 32, float16 scales)
+//   ./prefill_bench M K N ROUNDS LAYERS RANGES   (defaults 128 4096 4096 7 1 1; group 32, float16 scales)
+//
+// LAYERS > 1 times a chain of that many layers of the same shape (each its own weights, so
+// they come from memory, not cache, as in a model) and prints the time per layer; RANGES > 1
+// runs each layer's tiles in that many calls, as the op does with one range per pool thread.
 //
 // With -DPREFILL_BENCH_AVX512 (and -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
 // -mfma -mf16c) the headers are instantiated as the avx512_vnni table and timed against it.
@@ -40,17 +44,25 @@ int main(int argc, char** argv) {
   const int64_t M = argc > 1 ? atoll(argv[1]) : 128, K = argc > 2 ? atoll(argv[2]) : 4096;
   const int64_t N = argc > 3 ? atoll(argv[3]) : 4096;
   const int rounds = argc > 4 ? atoi(argv[4]) : 7;
+  const int layers = argc > 5 ? atoi(argv[5]) : 1;
+  const int64_t ranges = argc > 6 ? atoll(argv[6]) : 1;
+  if (M < 1 || K < 1 || N < 1 || rounds < 1 || layers < 1 || ranges < 1) {
+    std::fprintf(stderr, "M, K, N, ROUNDS, LAYERS and RANGES must be positive\n");
+    return 1;
+  }
   const int64_t gs = 32;
   std::mt19937 rng(1);
   std::vector<uint8_t> packed(static_cast<size_t>(N * ((K + gs - 1) / gs * gs) / 2));
   for (auto& b : packed) b = static_cast<uint8_t>(rng());
   std::vector<uint16_t> scales(static_cast<size_t>(N * ((K + gs - 1) / gs)));
   for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));  // small float16
-  PackedStorage st;
-  const std::string err = st.build(K, N, gs, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
-  if (!err.empty()) {
-    std::fprintf(stderr, "%s\n", err.c_str());
-    return 1;
+  std::vector<PackedStorage> st(static_cast<size_t>(layers));
+  for (auto& layer : st) {
+    const std::string err = layer.build(K, N, gs, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
+    if (!err.empty()) {
+      std::fprintf(stderr, "%s\n", err.c_str());
+      return 1;
+    }
   }
   std::vector<float> A(static_cast<size_t>(M * K)), Y(static_cast<size_t>(M * N)), Y2(Y.size());
   for (auto& a : A) a = std::uniform_real_distribution<float>(-1, 1)(rng);
@@ -60,7 +72,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> qz(qs.size());
   T::quantize_a(A.data(), M, K, K, gs, q.data(), qs.data(), qz.data());
   QuantizedA qa{q.data(), qs.data(), qz.data()};
-  MatMulArgs here{A.data(), M, K, Y.data(), N, &st.weights(), &qa};
+  MatMulArgs here{A.data(), M, K, Y.data(), N, &st[0].weights(), &qa};
   MatMulArgs linked = here;
   linked.Y = Y2.data();
   const char* available = nullptr;
@@ -71,20 +83,25 @@ int main(int argc, char** argv) {
   }
   using F32 = T::Form<4, true, false>;
   using I8 = T::Form<4, true, true>;
-  const int64_t tiles = st.weights().tiles;
-  auto time = [](auto f) {
+  const int64_t tiles = st[0].weights().tiles;
+  // Seconds per layer of f(args, tile_begin, tile_end) over the chain, RANGES calls a layer.
+  auto time = [&](MatMulArgs& args, auto f) {
     const auto t0 = std::chrono::steady_clock::now();
-    f();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const auto& layer : st) {
+      args.W = &layer.weights();
+      for (int64_t r = 0; r < ranges; ++r) f(args, r * tiles / ranges, (r + 1) * tiles / ranges);
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / layers;
   };
   double best[4] = {1e9, 1e9, 1e9, 1e9};
   bool same[2] = {true, true};
   for (int r = 0; r < rounds; ++r) {
-    best[0] = std::min(best[0], time([&] { P::prefill<F32>(here, 0, tiles); }));
-    best[1] = std::min(best[1], time([&] { lib->default_variant(kFp32).matmul[kFp32](linked, 0, tiles); }));
+    const MatMulFn fp32 = lib->default_variant(kFp32).matmul[kFp32], int8 = lib->default_variant(kInt8).matmul[kInt8];
+    best[0] = std::min(best[0], time(here, [](auto& a, int64_t b, int64_t e) { P::prefill<F32>(a, b, e); }));
+    best[1] = std::min(best[1], time(linked, [&](auto& a, int64_t b, int64_t e) { fp32(a, b, e); }));
     same[0] = same[0] && std::memcmp(Y.data(), Y2.data(), Y.size() * sizeof(float)) == 0;
-    best[2] = std::min(best[2], time([&] { P::prefill<I8>(here, 0, tiles); }));
-    best[3] = std::min(best[3], time([&] { lib->default_variant(kInt8).matmul[kInt8](linked, 0, tiles); }));
+    best[2] = std::min(best[2], time(here, [](auto& a, int64_t b, int64_t e) { P::prefill<I8>(a, b, e); }));
+    best[3] = std::min(best[3], time(linked, [&](auto& a, int64_t b, int64_t e) { int8(a, b, e); }));
     same[1] = same[1] && std::memcmp(Y.data(), Y2.data(), Y.size() * sizeof(float)) == 0;
   }
   const char* names[4] = {"fp32, these headers", "fp32, linked library", "int8, these headers", "int8, linked library"};
