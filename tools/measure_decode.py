@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 from cim_int4.ops import tuning
 
@@ -63,6 +64,8 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="also measure each variant's session memory")
     p.add_argument("--json", default=None, help="write the full report here")
     args = p.parse_args()
+    if args.library is not None and not os.path.isfile(args.library):
+        p.error(f"--library: no file at {args.library} (expected a build of libcim_int4_ops.so)")
     suite = Suite(
         "decode-table",
         (chain(args.layers, 4096),),

@@ -84,12 +84,16 @@ int main(int argc, char** argv) {
   using F32 = T::Form<4, true, false>;
   using I8 = T::Form<4, true, true>;
   const int64_t tiles = st[0].weights().tiles;
+  const int64_t strips = (tiles + kStripTiles - 1) / kStripTiles;
   // Seconds per layer of f(args, tile_begin, tile_end) over the chain, RANGES calls a layer.
   auto time = [&](MatMulArgs& args, auto f) {
     const auto t0 = std::chrono::steady_clock::now();
     for (const auto& layer : st) {
       args.W = &layer.weights();
-      for (int64_t r = 0; r < ranges; ++r) f(args, r * tiles / ranges, (r + 1) * tiles / ranges);
+      for (int64_t r = 0; r < ranges; ++r) {  // whole strips a range, as the op splits a layer
+        const int64_t begin = r * strips / ranges * kStripTiles, end = (r + 1) * strips / ranges * kStripTiles;
+        f(args, std::min(tiles, begin), std::min(tiles, end));
+      }
     }
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / layers;
   };
