@@ -45,7 +45,7 @@ double shape(const float* panel, const float* a, const float* scales, int64_t pa
   for (int64_t it = 0; it < passes; ++it) {
     const float* ablock = a + (it % kBlocks) * R * kInputs;
     for (int g = 0; g < kInputs / kGroupInputs; ++g) {
-      if (kForm >= kGroups) {
+      if constexpr (kForm >= kGroups) {
         for (auto& row : t)
           for (auto& x : row) x = _mm512_setzero_ps();
       }
@@ -59,7 +59,7 @@ double shape(const float* panel, const float* a, const float* scales, int64_t pa
           for (int x = 0; x < V; ++x) t[r][x] = _mm512_fmadd_ps(av, w[x], t[r][x]);
         }
       }
-      if (kForm >= kGroups) {
+      if constexpr (kForm >= kGroups) {
         for (int x = 0; x < V; ++x) {
           const __m512 sc = _mm512_load_ps(scales + (g * V + x) * 16);
           for (int r = 0; r < R; ++r) {

@@ -10,7 +10,8 @@
 //
 // LAYERS > 1 times a chain of that many layers of the same shape (each its own weights, so
 // they come from memory, not cache, as in a model) and prints the time per layer; RANGES > 1
-// runs each layer's tiles in that many calls, as the op does with one range per pool thread.
+// runs each layer's tiles in at most that many calls, split as the op splits them (one range
+// per pool thread).
 //
 // With -DPREFILL_BENCH_AVX512 (and -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
 // -mfma -mf16c) the headers are instantiated as the avx512_vnni table and timed against it.
@@ -84,23 +85,22 @@ int main(int argc, char** argv) {
   using F32 = T::Form<4, true, false>;
   using I8 = T::Form<4, true, true>;
   const int64_t tiles = st[0].weights().tiles;
+  // The op's split (op.cpp): at most `ranges` ranges of whole strips, all but the last of one size.
   const int64_t strips = (tiles + kStripTiles - 1) / kStripTiles;
+  const int64_t span = (strips + std::min(ranges, strips) - 1) / std::min(ranges, strips) * kStripTiles;
   // Seconds per layer of f(args, tile_begin, tile_end) over the chain, RANGES calls a layer.
   auto time = [&](MatMulArgs& args, auto f) {
     const auto t0 = std::chrono::steady_clock::now();
     for (const auto& layer : st) {
       args.W = &layer.weights();
-      for (int64_t r = 0; r < ranges; ++r) {  // whole strips a range, as the op splits a layer
-        const int64_t begin = r * strips / ranges * kStripTiles, end = (r + 1) * strips / ranges * kStripTiles;
-        f(args, std::min(tiles, begin), std::min(tiles, end));
-      }
+      for (int64_t begin = 0; begin < tiles; begin += span) f(args, begin, std::min(tiles, begin + span));
     }
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / layers;
   };
   double best[4] = {1e9, 1e9, 1e9, 1e9};
   bool same[2] = {true, true};
+  const MatMulFn fp32 = lib->default_variant(kFp32).matmul[kFp32], int8 = lib->default_variant(kInt8).matmul[kInt8];
   for (int r = 0; r < rounds; ++r) {
-    const MatMulFn fp32 = lib->default_variant(kFp32).matmul[kFp32], int8 = lib->default_variant(kInt8).matmul[kInt8];
     best[0] = std::min(best[0], time(here, [](auto& a, int64_t b, int64_t e) { P::prefill<F32>(a, b, e); }));
     best[1] = std::min(best[1], time(linked, [&](auto& a, int64_t b, int64_t e) { fp32(a, b, e); }));
     same[0] = same[0] && std::memcmp(Y.data(), Y2.data(), Y.size() * sizeof(float)) == 0;
