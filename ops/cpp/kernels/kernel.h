@@ -216,6 +216,15 @@ struct MatMulArgs {
 };
 
 using MatMulFn = void (*)(const MatMulArgs& args, int64_t tile_begin, int64_t tile_end);
+
+// How the op splits a layer of `tiles` tiles into at most `ranges` calls (one or a few per
+// pool thread, op.cpp): ranges of whole strips, all of `range_span` tiles but the last, call
+// i on tiles [i * span, min(tiles, (i + 1) * span)). The tools that time a layer split so too.
+constexpr int64_t range_span(int64_t tiles, int64_t ranges) {
+  const int64_t strips = (tiles + kStripTiles - 1) / kStripTiles;
+  const int64_t calls = ranges < strips ? ranges : strips;
+  return calls < 1 ? kStripTiles : (strips + calls - 1) / calls * kStripTiles;
+}
 // Quantizes A [M, K] for int8 mode into q [M, groups * group_size], scale and qsum
 // [M, groups] (QuantizedA).
 using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,

@@ -327,11 +327,9 @@ class Kernel {
     // 46.8 ms at 2 threads (1 thread: 59.7, which 2 threads had not beaten), level at 1 thread. Not fp32
     // mode: it packs A per range, and ranges_ cannot tell a 1-thread pool from a larger one
     // (the C API does not say), where the extra ranges cost it 2% for a 5% gain at 2 threads.
-    const int64_t blocks = (w.tiles + cim::kStripTiles - 1) / cim::kStripTiles;
     const int64_t wanted = int8_ && M >= kPrefillMinRows ? ranges_ * kPrefillRangesPerThread : ranges_;
-    const int64_t ranges = std::min(wanted, blocks);
-    job.blocks_per_range = (blocks + ranges - 1) / ranges;
-    const int64_t tasks = (blocks + job.blocks_per_range - 1) / job.blocks_per_range;
+    job.span = cim::range_span(w.tiles, wanted);
+    const int64_t tasks = (w.tiles + job.span - 1) / job.span;
     check(g_api->KernelContext_ParallelFor(context, &Job::run, static_cast<size_t>(tasks), 0, &job),
           where() + "running on the intra-op thread pool");
   }
@@ -343,7 +341,7 @@ class Kernel {
     cim::MatMulArgs args;
     cim::QuantizedA qa;
     cim::MatMulFn fn = nullptr;
-    int64_t blocks_per_range = 0;
+    int64_t span = 0;  // tiles a task (cim::range_span)
     // A gated node: the up projection's weights, its output [M, N] (row stride N), the epilogue.
     const cim::PackedWeights* up = nullptr;
     float* up_y = nullptr;
@@ -352,9 +350,8 @@ class Kernel {
     static void run(void* self, size_t task) {
       const Job& job = *static_cast<const Job*>(self);
       const int64_t tiles = job.args.W->tiles;
-      const int64_t span = job.blocks_per_range * cim::kStripTiles;
-      const int64_t begin = std::min(tiles, static_cast<int64_t>(task) * span);
-      const int64_t end = std::min(tiles, begin + span);
+      const int64_t begin = std::min(tiles, static_cast<int64_t>(task) * job.span);
+      const int64_t end = std::min(tiles, begin + job.span);
       job.fn(job.args, begin, end);
       cim::recompute_nonfinite(job.args, begin, end);
       if (job.up == nullptr) return;

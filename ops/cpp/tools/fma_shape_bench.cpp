@@ -4,7 +4,8 @@
 // then with groups and their scale step, with the kernel's panel layout, with A of 128 rows
 // (Form below). Not timed: making the panels (the first block of rows) and the passes over Y.
 // Also a register-only FMA loop for the core's peak. GMAC/s, the fastest of 5 interleaved
-// rounds (docs/benchmarks.md, "fp32 prefill at M = 128, the evening's look"):
+// rounds (docs/benchmarks.md: "AMD EPYC Zen 4, tuned on first use", its last part; the
+// Intel figures of "fp32 prefill at M = 128, the evening's look" predate a fix to the sink):
 //
 //   g++ -O3 -std=c++17 -mavx512f -mfma ops/cpp/tools/fma_shape_bench.cpp -o fma_shape_bench
 //   ./fma_shape_bench
@@ -71,7 +72,8 @@ double shape(const float* panel, const float* a, const float* scales, int64_t pa
     }
   }
   const double s = seconds_since(t0);
-  float sink = acc[0];
+  float sink = 0;
+  for (float x : acc) sink += x;  // every running sum live, so the groups' scale step is not dropped
   for (auto& row : t)
     for (auto& x : row) sink += _mm512_reduce_add_ps(x);
   if (sink == 1.2345f) std::puts("");  // keeps the sums live

@@ -229,8 +229,7 @@ int main(int argc, char** argv) {
           variant.matmul[mode](args, 0, w.tiles);
           continue;
         }
-        const int64_t strips = (w.tiles + kStripTiles - 1) / kStripTiles;
-        const int64_t half = std::min(w.tiles, (strips + 1) / 2 * kStripTiles);
+        const int64_t half = std::min(w.tiles, range_span(w.tiles, 2));  // the op's split (kernel.h)
         const MatMulFn fn = variant.matmul[mode];
         helper.both([&] { fn(args, 0, half); }, [&] { fn(args, half, w.tiles); });
       }

@@ -85,9 +85,7 @@ int main(int argc, char** argv) {
   using F32 = T::Form<4, true, false>;
   using I8 = T::Form<4, true, true>;
   const int64_t tiles = st[0].weights().tiles;
-  // The op's split (op.cpp): at most `ranges` ranges of whole strips, all but the last of one size.
-  const int64_t strips = (tiles + kStripTiles - 1) / kStripTiles;
-  const int64_t span = (strips + std::min(ranges, strips) - 1) / std::min(ranges, strips) * kStripTiles;
+  const int64_t span = range_span(tiles, ranges);  // the op's split (kernel.h)
   // Seconds per layer of f(args, tile_begin, tile_end) over the chain, RANGES calls a layer.
   auto time = [&](MatMulArgs& args, auto f) {
     const auto t0 = std::chrono::steady_clock::now();
