@@ -225,6 +225,7 @@ constexpr int64_t range_span(int64_t tiles, int64_t ranges) {
   const int64_t calls = ranges < strips ? ranges : strips;
   return calls < 1 ? kStripTiles : (strips + calls - 1) / calls * kStripTiles;
 }
+
 // Quantizes A [M, K] for int8 mode into q [M, groups * group_size], scale and qsum
 // [M, groups] (QuantizedA).
 using QuantizeAFn = void (*)(const float* A, int64_t M, int64_t lda, int64_t K, int64_t group_size, int8_t* q,

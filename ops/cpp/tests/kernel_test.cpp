@@ -354,6 +354,12 @@ struct Mode {
 };
 constexpr Mode kModes[] = {{"fp32", false}, {"int8", true}};
 
+// The op's split of a layer (kernel.h): whole strips, every call but the last of one span.
+static_assert(cim::range_span(37, 2) == 20, "37 tiles (10 strips) in 2 calls: 5 strips each");
+static_assert(cim::range_span(37, 3) == 16, "10 strips in 3 calls: 4, 4 and 2");
+static_assert(cim::range_span(5, 8) == 4, "2 strips in at most 8 calls: a strip a call");
+static_assert(cim::range_span(256, 1) == 256, "one call takes the whole layer");
+
 // Runs rows [m, m + M) of the problem through one variant's kernel of `mode`, tiles [t0, t1).
 void run(const cim::KernelVariant& variant, const Mode& mode, Problem& p, int64_t m, int64_t M, float* y, int64_t t0,
          int64_t t1) {
