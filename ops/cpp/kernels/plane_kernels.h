@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kernel.h"
 #include "kernels/simd_util.h"
@@ -65,8 +66,11 @@ struct PlaneKernels {
     return code;
   }
 
-  // Calls f(Q, chunk pointers..., k) for each quad of the group's first `count` codes
-  // (rounded up to a quad), chunk by chunk.
+  // Calls f(codes, k, whole) for each quad of the group's first `count` codes (rounded up
+  // to a quad), chunk by chunk; `whole` (a std::bool_constant) says all 4 codes count. A
+  // whole chunk of 32 codes runs its 8 quads without a test between them: with the tests
+  // (early returns) GCC kept the running sums in memory, 4 stores a quad, which made
+  // 2- and 3-bit decode compute-bound on a Zen 4 (docs/widths.md).
   template <int NT, typename Fn>
   static CIM_INLINE void for_each_quad(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t count,
                                        Fn&& f) {
@@ -74,14 +78,21 @@ struct PlaneKernels {
     const int64_t bytes = chunk_bytes(kBits, w.group_size);
     const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
     for (int64_t ch = 0; ch * per_chunk < count; ++ch) {
-      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
+      const auto one = [&](auto qc, auto whole) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
-        const int64_t j = ch * per_chunk + 4 * Q;  // offset of the quad in the group
-        if (4 * Q >= per_chunk || j >= count) return;
         I codes[NT * kVecs];
         for (int x = 0; x < NT * kVecs; ++x) codes[x] = quad<Q>(blk[x / kVecs] + ch * bytes, high, x % kVecs);
-        f(codes, j);
-      });
+        f(codes, ch * per_chunk + 4 * Q, whole);
+      };
+      if (per_chunk == 32 && count - ch * per_chunk >= 32) {
+        static_for<8>([&](auto qc) CIM_INLINE_LAMBDA { one(qc, std::true_type{}); });
+      } else {
+        static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
+          const int64_t j = ch * per_chunk + 4 * decltype(qc)::value;  // offset of the quad in the group
+          if (4 * decltype(qc)::value >= per_chunk || j >= count) return;
+          one(qc, std::false_type{});
+        });
+      }
     }
   }
 
@@ -91,17 +102,26 @@ struct PlaneKernels {
                                     const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
     F levels = S::zero();
     if constexpr (kPermute) levels = S::level_table(w.levels.q);
-    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j) {
+    F sums[R][NT * kVecs];  // in a local copy, as int8_group's
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < NT * kVecs; ++x) sums[r][x] = t[r][x];
+    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j, auto whole) {
       if constexpr (!kPermute) {  // XOR o turns each code c into the kBits-bit two's complement of c - o
         for (int x = 0; x < NT * kVecs; ++x) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
       }
+      if constexpr (decltype(whole)::value) {
+        fp32_quad<NT, R, 4>(codes, levels, a, k0 + j, sums);
+        return;
+      }
       switch (valid - j) {  // the tail of K: A has no values past it
-        case 1: fp32_quad<NT, R, 1>(codes, levels, a, k0 + j, t); break;
-        case 2: fp32_quad<NT, R, 2>(codes, levels, a, k0 + j, t); break;
-        case 3: fp32_quad<NT, R, 3>(codes, levels, a, k0 + j, t); break;
-        default: fp32_quad<NT, R, 4>(codes, levels, a, k0 + j, t); break;
+        case 1: fp32_quad<NT, R, 1>(codes, levels, a, k0 + j, sums); break;
+        case 2: fp32_quad<NT, R, 2>(codes, levels, a, k0 + j, sums); break;
+        case 3: fp32_quad<NT, R, 3>(codes, levels, a, k0 + j, sums); break;
+        default: fp32_quad<NT, R, 4>(codes, levels, a, k0 + j, sums); break;
       }
     });
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < NT * kVecs; ++x) t[r][x] = sums[r][x];
   }
 
   // The first J codes of a quad (k = k .. k + J - 1): kPermute, byte B shifted to the
@@ -166,23 +186,44 @@ struct PlaneKernels {
     return d;
   }
 
-  // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d.
+  // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d,
+  // chunk by chunk: each chunk's quads into sums of its own, started at zero and added to d
+  // once (integer sums: the same bits). Group sizes are 16 (one chunk of 4 quads) or
+  // multiples of 32 (chunks of 8), so every quad of a chunk counts and the quads run without
+  // a test between them. Updated through d at every quad, GCC kept the sums in memory in
+  // some instantiations (4 stores a quad; docs/widths.md).
   template <int NT, int R>
   static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const int8_t* const (&q)[R], int64_t k0, I (&d)[R][NT * kVecs]) {
-    for_each_quad<NT>(w, blk, w.group_size, [&](I (&codes)[NT * kVecs], int64_t j) {
-      for (int x = 0; x < NT * kVecs; ++x) codes[x] = unsigned_u(w, codes[x]);
-      for (int r = 0; r < R; ++r) {
-        const I qv = S::set1_i32(load_i32(q[r] + k0 + j));
-        for (int x = 0; x < NT * kVecs; ++x) {
-          if constexpr (kBits == 8) {
-            d[r][x] = S::dot4_u8(d[r][x], codes[x], qv);
-          } else {
-            d[r][x] = S::dot4(d[r][x], codes[x], qv);
+    constexpr int V = NT * kVecs;
+    const int64_t per_chunk = chunk_codes(w.group_size);
+    const int64_t bytes = chunk_bytes(kBits, w.group_size);
+    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
+    for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
+      I s[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int x = 0; x < V; ++x) s[r][x] = S::zero_i();
+      const auto one = [&](auto qc) CIM_INLINE_LAMBDA {
+        constexpr int Q = decltype(qc)::value;
+        I codes[V];
+        for (int x = 0; x < V; ++x) codes[x] = unsigned_u(w, quad<Q>(blk[x / kVecs] + ch * bytes, high, x % kVecs));
+        for (int r = 0; r < R; ++r) {
+          const I qv = S::set1_i32(load_i32(q[r] + k0 + ch * per_chunk + 4 * Q));
+          for (int x = 0; x < V; ++x) {
+            if constexpr (kBits == 8) {
+              s[r][x] = S::dot4_u8(s[r][x], codes[x], qv);
+            } else {
+              s[r][x] = S::dot4(s[r][x], codes[x], qv);
+            }
           }
         }
-      }
-    });
+      };
+      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
+        if (4 * decltype(qc)::value < per_chunk) one(qc);
+      });
+      for (int r = 0; r < R; ++r)
+        for (int x = 0; x < V; ++x) d[r][x] = S::add_i32(d[r][x], s[r][x]);
+    }
   }
 };
 
