@@ -68,9 +68,10 @@ struct PlaneKernels {
 
   // Calls f(codes, k, whole) for each quad of the group's first `count` codes (rounded up
   // to a quad), chunk by chunk; `whole` (a std::bool_constant) says all 4 codes count. A
-  // whole chunk of 32 codes runs its 8 quads without a test between them: with the tests
-  // (early returns) GCC kept the running sums in memory, 4 stores a quad, which made
-  // 2- and 3-bit decode compute-bound on a Zen 4 (docs/widths.md).
+  // whole chunk of 32 codes runs its 8 quads without a test between them. f's call operator
+  // must be CIM_INLINE_LAMBDA: GCC called fp32_group's body out of line once a quad without
+  // it, the running sums through memory each time (fp32-mode decode at 2 and 3 bits 1.5x
+  // slower on a Zen 4, docs/widths.md).
   template <int NT, typename Fn>
   static CIM_INLINE void for_each_quad(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t count,
                                        Fn&& f) {
@@ -105,7 +106,7 @@ struct PlaneKernels {
     F sums[R][NT * kVecs];  // in a local copy, as int8_group's
     for (int r = 0; r < R; ++r)
       for (int x = 0; x < NT * kVecs; ++x) sums[r][x] = t[r][x];
-    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j, auto whole) {
+    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j, auto whole) CIM_INLINE_LAMBDA {
       if constexpr (!kPermute) {  // XOR o turns each code c into the kBits-bit two's complement of c - o
         for (int x = 0; x < NT * kVecs; ++x) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
       }
@@ -187,11 +188,11 @@ struct PlaneKernels {
   }
 
   // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d,
-  // chunk by chunk: each chunk's quads into sums of its own, started at zero and added to d
-  // once (integer sums: the same bits). Group sizes are 16 (one chunk of 4 quads) or
-  // multiples of 32 (chunks of 8), so every quad of a chunk counts and the quads run without
-  // a test between them. Updated through d at every quad, GCC kept the sums in memory in
-  // some instantiations (4 stores a quad; docs/widths.md).
+  // chunk by chunk: each chunk's quads into sums of their own, started at zero and added to
+  // d once (integer sums: the same bits). Group sizes are 16 (one chunk of 4 quads) or
+  // multiples of 32 (chunks of 8), so every quad of a chunk counts. Against quads added into
+  // d one by one: 2- and 3-bit decode with float32 / float16 scales faster on a Zen 4, int8
+  // scales level (docs/widths.md).
   template <int NT, int R>
   static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const int8_t* const (&q)[R], int64_t k0, I (&d)[R][NT * kVecs]) {
