@@ -67,11 +67,12 @@ struct PlaneKernels {
   }
 
   // Calls f(codes, k, whole) for each quad of the group's first `count` codes (rounded up
-  // to a quad), chunk by chunk; `whole` (a std::bool_constant) says all 4 codes count. A
-  // whole chunk of 32 codes runs its 8 quads without a test between them. f's call operator
-  // must be CIM_INLINE_LAMBDA: GCC called fp32_group's body out of line once a quad without
-  // it, the running sums through memory each time (fp32-mode decode at 2 and 3 bits 1.5x
-  // slower on a Zen 4, docs/widths.md).
+  // to a quad), chunk by chunk; `whole` (a std::bool_constant) says the quad's chunk lies
+  // wholly within `count` (else f tests count - k itself). A whole chunk of 32 codes runs
+  // its 8 quads without a test between them. f's call operator must be CIM_INLINE_LAMBDA:
+  // without it GCC called fp32_group's body out of line once a quad, the running sums
+  // through memory each time (fp32-mode decode at 2 and 3 bits 1.5x slower on a Zen 4,
+  // docs/widths.md).
   template <int NT, typename Fn>
   static CIM_INLINE void for_each_quad(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t count,
                                        Fn&& f) {
@@ -103,7 +104,7 @@ struct PlaneKernels {
                                     const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
     F levels = S::zero();
     if constexpr (kPermute) levels = S::level_table(w.levels.q);
-    F sums[R][NT * kVecs];  // in a local copy, as int8_group's
+    F sums[R][NT * kVecs];  // the group sums in a local copy, kept in registers
     for (int r = 0; r < R; ++r)
       for (int x = 0; x < NT * kVecs; ++x) sums[r][x] = t[r][x];
     for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j, auto whole) CIM_INLINE_LAMBDA {
