@@ -13,7 +13,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/kernel.h"
 #include "kernels/simd_util.h"
@@ -66,73 +65,82 @@ struct PlaneKernels {
     return code;
   }
 
-  // Calls f(codes, k, whole) for each quad of the group's first `count` codes (rounded up
-  // to a quad), chunk by chunk; `whole` (a std::bool_constant) says the quad's chunk lies
-  // wholly within `count` (else f tests count - k itself). A whole chunk of 32 codes runs
-  // its 8 quads without a test between them. f's call operator must be CIM_INLINE_LAMBDA:
-  // without it GCC called fp32_group's body out of line once a quad, the running sums
-  // through memory each time (fp32-mode decode at 2 and 3 bits 1.5x slower on a Zen 4,
-  // docs/widths.md).
-  template <int NT, typename Fn>
-  static CIM_INLINE void for_each_quad(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t count,
-                                       Fn&& f) {
+  // The one walk over a group's planes. for_each_chunk calls f(ch, j, n) for each chunk ch
+  // of the group's first `count` codes: its first code is code j of the group, n of them in
+  // it (a whole chunk: chunk_codes, 16 or 32); for_each_quad calls f(Q) (a
+  // std::integral_constant) for the quads of a chunk's n codes (rounded up to a quad; a
+  // loop-invariant test once a quad); quad_of reads quad Q of chunk ch, vector x of the NT tiles.
+  // Every f here is CIM_INLINE_LAMBDA: without it GCC called fp32_group's per-quad body out
+  // of line once a quad, the running sums through memory each time (fp32-mode decode at 2
+  // and 3 bits 1.5x slower on a Zen 4, docs/widths.md).
+  template <typename Fn>
+  static CIM_INLINE void for_each_chunk(const PackedWeights& w, int64_t count, Fn&& f) {
     const int64_t per_chunk = chunk_codes(w.group_size);
-    const int64_t bytes = chunk_bytes(kBits, w.group_size);
-    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
-    for (int64_t ch = 0; ch * per_chunk < count; ++ch) {
-      const auto one = [&](auto qc, auto whole) CIM_INLINE_LAMBDA {
-        constexpr int Q = decltype(qc)::value;
-        I codes[NT * kVecs];
-        for (int x = 0; x < NT * kVecs; ++x) codes[x] = quad<Q>(blk[x / kVecs] + ch * bytes, high, x % kVecs);
-        f(codes, ch * per_chunk + 4 * Q, whole);
-      };
-      if (per_chunk == 32 && count - ch * per_chunk >= 32) {
-        static_for<8>([&](auto qc) CIM_INLINE_LAMBDA { one(qc, std::true_type{}); });
-      } else {
-        static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
-          const int64_t j = ch * per_chunk + 4 * decltype(qc)::value;  // offset of the quad in the group
-          if (4 * decltype(qc)::value >= per_chunk || j >= count) return;
-          one(qc, std::false_type{});
-        });
-      }
+    for (int64_t ch = 0, j = 0; j < count; ++ch, j += per_chunk) {
+      f(ch, j, count - j < per_chunk ? count - j : per_chunk);
     }
   }
+  template <typename Fn>
+  static CIM_INLINE void for_each_quad(int64_t n, Fn&& f) {
+    static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
+      if (4 * decltype(qc)::value < n) f(qc);
+    });
+  }
+  template <int Q, int NT>
+  static CIM_INLINE I quad_of(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t ch, int x) {
+    return quad<Q>(blk[x / kVecs] + ch * chunk_bytes(kBits, w.group_size),
+                   low_rows(kBits, w.group_size) * kCodeRowBytes, x % kVecs);
+  }
 
-  // fp32 mode: the group's codes k0 .. k0 + valid - 1 into the group sums t.
+  // fp32 mode: the group's codes k0 .. k0 + valid - 1 into the group sums t. A chunk past
+  // the end of K reads A from a copy padded with zeros: every code's level is finite, so a
+  // quad past K adds 0 * level = +-0 to a sum, which keeps its bits (a sum that starts at +0
+  // is never -0), and every chunk runs the same inlined body. (A tested copy of the quads
+  // inlined beside it, a switch on the codes left, took a kernel object's build from 108 s /
+  // 1.2 GB to 395 s / 3.2 GB, docs/widths.md.)
   template <int NT, int R>
   static CIM_INLINE void fp32_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
     F levels = S::zero();
     if constexpr (kPermute) levels = S::level_table(w.levels.q);
-    F sums[R][NT * kVecs];  // the group sums in a local copy, kept in registers
-    for (int r = 0; r < R; ++r)
-      for (int x = 0; x < NT * kVecs; ++x) sums[r][x] = t[r][x];
-    for_each_quad<NT>(w, blk, valid, [&](I (&codes)[NT * kVecs], int64_t j, auto whole) CIM_INLINE_LAMBDA {
-      if constexpr (!kPermute) {  // XOR o turns each code c into the kBits-bit two's complement of c - o
-        for (int x = 0; x < NT * kVecs; ++x) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
+    const int64_t per_chunk = chunk_codes(w.group_size);
+    for_each_chunk(w, valid, [&](int64_t ch, int64_t j, int64_t n) CIM_INLINE_LAMBDA {
+      const float* ak[R];
+      alignas(64) float pad[R][32];
+      for (int r = 0; r < R; ++r) {
+        ak[r] = a[r] + k0 + j;
+        if (n < per_chunk) {
+          for (int64_t i = 0; i < 32; ++i) pad[r][i] = i < n ? ak[r][i] : 0.0f;
+          ak[r] = pad[r];
+        }
       }
-      if constexpr (decltype(whole)::value) {
-        fp32_quad<NT, R, 4>(codes, levels, a, k0 + j, sums);
-        return;
-      }
-      switch (valid - j) {  // the tail of K: A has no values past it
-        case 1: fp32_quad<NT, R, 1>(codes, levels, a, k0 + j, sums); break;
-        case 2: fp32_quad<NT, R, 2>(codes, levels, a, k0 + j, sums); break;
-        case 3: fp32_quad<NT, R, 3>(codes, levels, a, k0 + j, sums); break;
-        default: fp32_quad<NT, R, 4>(codes, levels, a, k0 + j, sums); break;
-      }
+      for_each_quad(per_chunk, [&](auto qc) CIM_INLINE_LAMBDA {
+        constexpr int Q = decltype(qc)::value;
+        I codes[NT * kVecs];
+        fp32_codes<Q, NT>(w, blk, ch, codes);
+        fp32_quad<NT, R>(codes, levels, ak, 4 * Q, t);
+      });
     });
-    for (int r = 0; r < R; ++r)
-      for (int x = 0; x < NT * kVecs; ++x) t[r][x] = sums[r][x];
   }
 
-  // The first J codes of a quad (k = k .. k + J - 1): kPermute, byte B shifted to the
-  // bottom of the lane indexes the levels (its bits above the code are zero); else byte B
-  // shifted to the top, an arithmetic shift down sign-extends its kBits to q, convert (all exact).
-  template <int NT, int R, int J>
+  // Quad Q of chunk ch as fp32_quad takes it: kPermute, the codes; else XOR o turns each
+  // code c into the kBits-bit two's complement of c - o.
+  template <int Q, int NT>
+  static CIM_INLINE void fp32_codes(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t ch,
+                                    I (&codes)[NT * kVecs]) {
+    for (int x = 0; x < NT * kVecs; ++x) {
+      codes[x] = quad_of<Q>(w, blk, ch, x);
+      if constexpr (!kPermute) codes[x] = S::xor_(codes[x], S::set1_i8(static_cast<char>(kOffset)));
+    }
+  }
+
+  // A quad's codes (k = k .. k + 3): kPermute, byte B shifted to the bottom of the lane
+  // indexes the levels (its bits above the code are zero); else byte B shifted to the top,
+  // an arithmetic shift down sign-extends its kBits to q, convert (all exact).
+  template <int NT, int R>
   static CIM_INLINE void fp32_quad(const I (&codes)[NT * kVecs], F levels, const float* const (&a)[R], int64_t k,
                                    F (&t)[R][NT * kVecs]) {
-    static_for<J>([&](auto bc) CIM_INLINE_LAMBDA {
+    static_for<4>([&](auto bc) CIM_INLINE_LAMBDA {
       constexpr int B = decltype(bc)::value;
       constexpr int up = 32 - 8 * B - kBits;
       F wv[NT * kVecs];
@@ -160,17 +168,12 @@ struct PlaneKernels {
   template <int NT>
   static CIM_INLINE I int8_vector(const PackedWeights& w, const uint8_t* const (&blk)[NT], const int8_t* q, int x,
                                   I d) {
-    const int64_t per_chunk = chunk_codes(w.group_size);
-    const int64_t bytes = chunk_bytes(kBits, w.group_size);
-    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
-    for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
-      const uint8_t* chunk = blk[x / kVecs] + ch * bytes;
+    for_each_chunk(w, w.group_size, [&](int64_t ch, int64_t j, int64_t n) CIM_INLINE_LAMBDA {
       I s = S::zero_i();
-      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
+      for_each_quad(n, [&](auto qc) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
-        if (4 * Q >= per_chunk) return;
-        const I codes = unsigned_u(w, quad<Q>(chunk, high, x % kVecs));
-        const I qv = S::set1_i32(load_i32(q + ch * per_chunk + 4 * Q));
+        const I codes = unsigned_u(w, quad_of<Q>(w, blk, ch, x));
+        const I qv = S::set1_i32(load_i32(q + j + 4 * Q));
         if constexpr (kBits == 8) {
           d = S::dot4_u8(d, codes, qv);
         } else {
@@ -182,35 +185,31 @@ struct PlaneKernels {
         }
       });
       if constexpr (kBits != 8) {
-        if (per_chunk < 4 * kFlush) d = S::pair_flush(d, s);  // a short chunk (group size 16)
+        if (n < 4 * kFlush) d = S::pair_flush(d, s);  // a short chunk (group size 16)
       }
-    }
+    });
     return d;
   }
 
   // int8 mode: the whole group (A's int8 copy is 0 past K, whatever the codes there) into d,
   // chunk by chunk: each chunk's quads into sums of their own, started at zero and added to
-  // d once (integer sums: the same bits). Group sizes are 16 (one chunk of 4 quads) or
-  // multiples of 32 (chunks of 8), so every quad of a chunk counts. Against quads added into
-  // d one by one: 2- and 3-bit decode with float32 / float16 scales faster on a Zen 4, int8
-  // scales level (docs/widths.md).
+  // d once (integer sums: the same bits). Against quads added into d one by one: 2- and
+  // 3-bit decode with float32 / float16 scales faster on a Zen 4, int8 scales level
+  // (docs/widths.md).
   template <int NT, int R>
   static CIM_INLINE void int8_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const int8_t* const (&q)[R], int64_t k0, I (&d)[R][NT * kVecs]) {
     constexpr int V = NT * kVecs;
-    const int64_t per_chunk = chunk_codes(w.group_size);
-    const int64_t bytes = chunk_bytes(kBits, w.group_size);
-    const int64_t high = low_rows(kBits, w.group_size) * kCodeRowBytes;
-    for (int64_t ch = 0; ch * per_chunk < w.group_size; ++ch) {
+    for_each_chunk(w, w.group_size, [&](int64_t ch, int64_t j, int64_t n) CIM_INLINE_LAMBDA {
       I s[R][V];
       for (int r = 0; r < R; ++r)
         for (int x = 0; x < V; ++x) s[r][x] = S::zero_i();
-      const auto one = [&](auto qc) CIM_INLINE_LAMBDA {
+      for_each_quad(n, [&](auto qc) CIM_INLINE_LAMBDA {
         constexpr int Q = decltype(qc)::value;
         I codes[V];
-        for (int x = 0; x < V; ++x) codes[x] = unsigned_u(w, quad<Q>(blk[x / kVecs] + ch * bytes, high, x % kVecs));
+        for (int x = 0; x < V; ++x) codes[x] = unsigned_u(w, quad_of<Q>(w, blk, ch, x));
         for (int r = 0; r < R; ++r) {
-          const I qv = S::set1_i32(load_i32(q[r] + k0 + ch * per_chunk + 4 * Q));
+          const I qv = S::set1_i32(load_i32(q[r] + k0 + j + 4 * Q));
           for (int x = 0; x < V; ++x) {
             if constexpr (kBits == 8) {
               s[r][x] = S::dot4_u8(s[r][x], codes[x], qv);
@@ -219,13 +218,10 @@ struct PlaneKernels {
             }
           }
         }
-      };
-      static_for<8>([&](auto qc) CIM_INLINE_LAMBDA {
-        if (4 * decltype(qc)::value < per_chunk) one(qc);
       });
       for (int r = 0; r < R; ++r)
         for (int x = 0; x < V; ++x) d[r][x] = S::add_i32(d[r][x], s[r][x]);
-    }
+    });
   }
 };
 
