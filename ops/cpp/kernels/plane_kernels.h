@@ -67,9 +67,10 @@ struct PlaneKernels {
 
   // The one walk over a group's planes. for_each_chunk calls f(ch, j, n) for each chunk ch
   // of the group's first `count` codes: its first code is code j of the group, n of them in
-  // it (a whole chunk: chunk_codes, 16 or 32); for_each_quad calls f(Q) (a
-  // std::integral_constant) for the quads of a chunk's n codes (rounded up to a quad; a
-  // loop-invariant test once a quad); quad_of reads quad Q of chunk ch, vector x of the NT tiles.
+  // it (chunk_codes, 16 or 32, but for a last chunk that `count` cuts short); for_each_quad
+  // calls f(Q) (a std::integral_constant) for the quads of a chunk's n codes (n a multiple of
+  // 4 here; a loop-invariant test once a quad); quad_of reads quad Q of chunk ch, vector x of
+  // the NT tiles.
   // Every f here is CIM_INLINE_LAMBDA: without it GCC called fp32_group's per-quad body out
   // of line once a quad, the running sums through memory each time (fp32-mode decode at 2
   // and 3 bits 1.5x slower on a Zen 4, docs/widths.md).
@@ -94,8 +95,10 @@ struct PlaneKernels {
 
   // fp32 mode: the group's codes k0 .. k0 + valid - 1 into the group sums t. A chunk past
   // the end of K reads A from a copy padded with zeros: every code's level is finite, so a
-  // quad past K adds 0 * level = +-0 to a sum, which keeps its bits (a sum that starts at +0
-  // is never -0), and every chunk runs the same inlined body. (A tested copy of the quads
+  // code past K adds 0 * level = +-0 to a sum, which keeps its bits (a sum that starts at +0
+  // is never -0 under round-to-nearest; with flush-to-zero set, a sum flushed to -0 could
+  // turn +0, which reaches an output only if its accumulator is zero too), and every chunk
+  // runs the same inlined body. (A tested copy of the quads
   // inlined beside it, a switch on the codes left, took a kernel object's build from 108 s /
   // 1.2 GB to 395 s / 3.2 GB, docs/widths.md.)
   template <int NT, int R>
