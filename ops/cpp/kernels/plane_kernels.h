@@ -98,9 +98,9 @@ struct PlaneKernels {
   // code past K adds 0 * level = +-0 to a sum, which keeps its bits (a sum that starts at +0
   // is never -0 under round-to-nearest; with flush-to-zero set, a sum flushed to -0 could
   // turn +0, which reaches an output only if its accumulator is zero too), and every chunk
-  // runs the same inlined body. (A tested copy of the quads
-  // inlined beside it, a switch on the codes left, took a kernel object's build from 108 s /
-  // 1.2 GB to 395 s / 3.2 GB, docs/widths.md.)
+  // runs the same inlined body. (A tested copy of the quads inlined beside it, a switch on the
+  // codes left, took a kernel object's build from 108 s / 1.2 GB to 395 s / 3.2 GB,
+  // docs/widths.md.)
   template <int NT, int R>
   static CIM_INLINE void fp32_group(const PackedWeights& w, const uint8_t* const (&blk)[NT],
                                     const float* const (&a)[R], int64_t k0, int64_t valid, F (&t)[R][NT * kVecs]) {
