@@ -36,6 +36,10 @@
 namespace cim {
 namespace {
 
+// A prefetch hint of ours beside _MM_HINT_T0 / _MM_HINT_NTA: T0 at the loop's distance
+// and T1 (L2) kL2Ahead ahead as well (TileKernels::prefetch_ahead).
+constexpr int kHintT0L2 = 0x100;
+
 template <class S>
 struct TileKernels {
   using F = typename S::F;
@@ -61,15 +65,28 @@ struct TileKernels {
   // Zen 5 (A/B in one interleaved run, 16 cold 4096x4096 layers, M = 1): fp32 mode 12 KiB
   // (13-15% faster than 6 KiB); int8 mode 6 KiB. Past the end of the stream a prefetch
   // touches nothing (prefetches never fault).
+  // The hint kHintT0L2 (variants.h) prefetches `ahead` bytes ahead with _MM_HINT_T0 and,
+  // besides, kL2Ahead bytes ahead into L2 (_MM_HINT_T1): the other code widths' 4-tile int8
+  // loops read each group's planes with dozens of loads a group (a quad of each tile, each
+  // plane), and on a Zen 4 how fast they streamed from DRAM hung on where the loop's code
+  // sat (up to 2x: the same kernel 0.96 or 0.48 of the read probe as a 16-byte shift of the
+  // code moved it, docs/widths.md), which points at the core's per-instruction (IP-indexed)
+  // stride prefetcher; the far prefetch into L2 does not depend on it.
   static constexpr int64_t kPrefetchFp32 = 12288;
   static constexpr int64_t kPrefetchInt8 = 6144;
+  static constexpr int64_t kL2Ahead = 32768;
   template <int NT, int64_t ahead, int hint>
   static CIM_INLINE void prefetch_ahead(const PackedWeights& w, const uint8_t* const (&blk)[NT]) {
     if constexpr (ahead > 0) {
-      const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(ahead);
-      for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), static_cast<_mm_hint>(hint));
-      }
+      if constexpr (hint == kHintT0L2) prefetch_span<NT, _MM_HINT_T1>(w, blk, kL2Ahead);
+      prefetch_span<NT, hint == kHintT0L2 ? int(_MM_HINT_T0) : hint>(w, blk, ahead);
+    }
+  }
+  template <int NT, int hint>
+  static CIM_INLINE void prefetch_span(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t ahead) {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(ahead);
+    for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), static_cast<_mm_hint>(hint));
     }
   }
 

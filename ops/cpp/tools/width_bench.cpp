@@ -1,22 +1,26 @@
-// Decode (M = 1, int8 mode) of one layer held in L2, every code width, kernel only: how fast each
-// width's loop runs when memory is not what limits it (docs/widths.md, "Compute-bound speed by
+// Decode (M = 1, int8 mode) of one layer, every code width, kernel only: how fast each width's
+// loop runs when memory is not what limits it (docs/widths.md, "Compute-bound speed by
 // width"). A width whose loop runs slower per byte than the 4-bit one, hot, is compute-bound near
-// the memory wall too: a cold stream then takes about the read's time plus the loop's. Build
+// the memory wall too: a cold stream then takes about the read's time plus the loop's. With
+// LAYERS > 1 the calls cycle over that many copies of the layer (cold once they outgrow the
+// last-level cache), and a plain read of the same streams is timed beside them: the kernel's
+// share of the read's speed, as `tools/measure_widths.py` reports it through ORT. Build
 // against the library's kernel objects:
 //
 //   g++ -O2 -std=c++17 -mavx2 -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
 //       ops/cpp/tools/width_bench.cpp <build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o width_bench
-//   CIM_INT4_KERNEL=avx512_vnni [CIM_INT4_VARIANT=n4x2-pf2k] ./width_bench [K N CALLS]
-//                                                         (default 576 1536 500: 0.3-0.9 MB)
+//   CIM_INT4_KERNEL=avx512_vnni [CIM_INT4_VARIANT=n4x2-pf2k] ./width_bench [K N CALLS [LAYERS [SCALES]]]
+//       (default 576 1536 500 1 f16: 0.3-0.9 MB, hot; cold: 4096 4096 2 16; SCALES f32, f16 or i8)
 //
 // Per width (4: the table's int8 default variant, or CIM_INT4_VARIANT's; the other widths
-// follow its form, KernelTable::matmul_for), the fastest of 5 passes of CALLS calls on the
-// same weights, float16 scales, group 32: GB/s of the stream and billions of weights a second.
+// follow its form, KernelTable::matmul_for), the fastest of 5 passes of CALLS calls over the
+// layers, group 32: GB/s of the stream and billions of weights a second.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,8 +35,12 @@ int main(int argc, char** argv) {
   const int64_t K = argc > 1 ? std::atoll(argv[1]) : 576;
   const int64_t N = argc > 2 ? std::atoll(argv[2]) : 1536;
   const int calls = argc > 3 ? std::atoi(argv[3]) : 500;
-  if (K < 32 || K % 32 != 0 || N < 1 || calls < 1) {
-    std::fprintf(stderr, "usage: width_bench [K N CALLS] (K a multiple of 32)\n");
+  const int layers = argc > 4 ? std::atoi(argv[4]) : 1;
+  const std::string scale_name = argc > 5 ? argv[5] : "f16";
+  const int scale_type = scale_name == "f32" ? kScaleF32 : scale_name == "i8" ? kScaleI8 : kScaleF16;
+  if (K < 32 || K % 32 != 0 || N < 1 || calls < 1 || layers < 1 ||
+      (scale_name != "f32" && scale_name != "f16" && scale_name != "i8")) {
+    std::fprintf(stderr, "usage: width_bench [K N CALLS [LAYERS [f32|f16|i8]]] (K a multiple of 32)\n");
     return 2;
   }
   const char* name = nullptr;
@@ -54,32 +62,68 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "CIM_INT4_VARIANT=%s is not a variant of the %s table\n", variant_env, name);
     return 1;
   }
-  std::printf("%s table, variant %s, %lld x %lld, %d calls a pass\n", name, variant->name,
-              static_cast<long long>(K), static_cast<long long>(N), calls);
+  std::printf("%s table, variant %s, %lld x %lld, %s scales, %d layer(s), %d calls a pass\n", name, variant->name,
+              static_cast<long long>(K), static_cast<long long>(N), scale_name.c_str(), layers, calls);
+  const int64_t groups = K / 32;
   for (int bits : {2, 3, 4, 5, 6, 8}) {
     std::vector<uint8_t> packed(static_cast<size_t>(N * K * bits / 8));
     for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    std::vector<uint16_t> scales(static_cast<size_t>(N * K / 32));
-    for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
-    PackedStorage st;
-    const std::string problem =
-        st.build(K, N, 32, bits, packed.data(), scales.data(), kScaleF16, nullptr, nullptr);
-    if (!problem.empty()) {
-      std::fprintf(stderr, "%s\n", problem.c_str());
-      return 1;
+    // Scales of the layer's dtype: float32 / float16 near 2^-7, int8 1 .. 120 under a super-scale.
+    std::vector<uint8_t> scales(static_cast<size_t>(N * groups * 4));
+    for (int64_t i = 0; i < N * groups; ++i) {
+      if (scale_type == kScaleF32) {
+        const float f = 0.0078125f * (1.0f + static_cast<float>(rng() % 100) / 100.0f);
+        std::memcpy(&scales[static_cast<size_t>(4 * i)], &f, 4);
+      } else if (scale_type == kScaleF16) {
+        const uint16_t h = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
+        std::memcpy(&scales[static_cast<size_t>(2 * i)], &h, 2);
+      } else {
+        scales[static_cast<size_t>(i)] = static_cast<uint8_t>(1 + rng() % 120);
+      }
     }
-    const PackedWeights& w = st.weights();
-    const MatMulArgs args{A.data(), 1, K, Y.data(), N, &w, &qa};
+    std::vector<uint16_t> supers(static_cast<size_t>(N * supers_of(groups)), 0x2000);
+    std::vector<PackedStorage> st(static_cast<size_t>(layers));
+    for (auto& s : st) {
+      const std::string problem = s.build(K, N, 32, bits, packed.data(), scales.data(), scale_type,
+                                          scale_type == kScaleI8 ? supers.data() : nullptr, nullptr);
+      if (!problem.empty()) {
+        std::fprintf(stderr, "%s\n", problem.c_str());
+        return 1;
+      }
+    }
+    std::vector<MatMulArgs> args;
+    for (auto& s : st) args.push_back(MatMulArgs{A.data(), 1, K, Y.data(), N, &s.weights(), &qa});
     const MatMulFn fn = table->matmul_for(bits, kInt8, *variant);
     double best = 1e9;
     for (int pass = 0; pass < 5; ++pass) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int c = 0; c < calls; ++c) fn(args, 0, w.tiles);
+      for (int c = 0; c < calls; ++c)
+        for (const auto& a : args) fn(a, 0, a.W->tiles);
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    std::printf("  %d-bit  %6.1f GB/s  %6.1f G weights/s  (%.1f us a call)\n", bits,
-                static_cast<double>(st.bytes()) * calls / best / 1e9, static_cast<double>(K * N) * calls / best / 1e9,
-                best / calls * 1e6);
+    const double bytes = static_cast<double>(st[0].bytes()) * layers * calls;
+    std::printf("  %d-bit  %6.1f GB/s  %6.1f G weights/s  (%.1f us a call)", bits, bytes / best / 1e9,
+                static_cast<double>(K * N) * layers * calls / best / 1e9, best / calls / layers * 1e6);
+    if (layers > 1) {
+      // A plain read of the same streams, 64 bytes a step, in the same order.
+      double read = 1e9;
+      uint64_t sink = 0;
+      for (int pass = 0; pass < 5; ++pass) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int c = 0; c < calls; ++c)
+          for (const auto& s : st) {
+            const uint8_t* p = s.weights().stream;
+            for (int64_t i = 0; i + 64 <= s.bytes(); i += 64) {
+              uint64_t v;
+              std::memcpy(&v, p + i, sizeof v);
+              sink += v;
+            }
+          }
+        read = std::min(read, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::printf("  read %.1f GB/s, kernel %.2f of it%s", bytes / read / 1e9, read / best, sink == 1 ? " " : "");
+    }
+    std::printf("\n");
   }
   return 0;
 }
