@@ -9,6 +9,7 @@
 //
 //   g++ -O2 -std=c++17 -mavx2 -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
 //       ops/cpp/tools/width_bench.cpp <build>/CMakeFiles/cim_int4_kernels.dir/kernels/*.o -o width_bench
+//       [-DCIM_PAD_BYTES=N: every kernel N bytes further on]
 //   CIM_INT4_KERNEL=avx512_vnni [CIM_INT4_VARIANT=n4x2-pf2k] ./width_bench [K N CALLS [LAYERS [SCALES]]]
 //       (default 576 1536 500 1 f16: 0.3-0.9 MB, hot; cold: 4096 4096 2 16; SCALES f32, f16 or i8)
 //
@@ -30,6 +31,15 @@
 #include "tools/bench_table.h"
 
 using namespace cim;
+
+#ifdef CIM_PAD_BYTES
+// -DCIM_PAD_BYTES=N: N bytes of code linked in front of the kernel objects (this object comes
+// first on the command line), which moves every kernel by N bytes and nothing else: how the
+// widths' cold decode was found to hang on where their code sits (docs/widths.md).
+#define CIM_STR2(x) #x
+#define CIM_STR(x) CIM_STR2(x)
+__attribute__((used, noinline)) void cim_pad_bytes() { asm volatile(".skip " CIM_STR(CIM_PAD_BYTES) ", 0x90"); }
+#endif
 
 int main(int argc, char** argv) {
   const int64_t K = argc > 1 ? std::atoll(argv[1]) : 576;
