@@ -58,20 +58,21 @@ struct TileKernels {
   }
 
   // Software prefetch `ahead` bytes ahead in the stream (none for 0), the span of the NT
-  // blocks just read, with `hint` (_MM_HINT_T0 or _MM_HINT_NTA). The loops do several
-  // operations per byte, so the out-of-order window alone may hold too few cache misses
-  // to stream from DRAM at full speed; how far ahead is best differs by core, so decode
+  // blocks just read, with `hint` (_MM_HINT_T0, _MM_HINT_NTA or kHintT0L2). The loops do
+  // several operations per byte, so the out-of-order window alone may hold too few cache
+  // misses to stream from DRAM at full speed; how far ahead is best differs by core, so decode
   // takes it as a parameter (variants.h) and prefill keeps these distances, measured on
   // Zen 5 (A/B in one interleaved run, 16 cold 4096x4096 layers, M = 1): fp32 mode 12 KiB
   // (13-15% faster than 6 KiB); int8 mode 6 KiB. Past the end of the stream a prefetch
   // touches nothing (prefetches never fault).
-  // The hint kHintT0L2 (variants.h) prefetches `ahead` bytes ahead with _MM_HINT_T0 and,
-  // besides, kL2Ahead bytes ahead into L2 (_MM_HINT_T1): the other code widths' 4-tile int8
-  // loops read each group's planes with dozens of loads a group (a quad of each tile, each
-  // plane), and on a Zen 4 how fast they streamed from DRAM hung on where the loop's code
-  // sat (up to 2x: the same kernel 0.96 or 0.48 of the read probe as a 16-byte shift of the
-  // code moved it, docs/widths.md), which points at the core's per-instruction (IP-indexed)
-  // stride prefetcher; the far prefetch into L2 does not depend on it.
+  // kHintT0L2 (defined above; the widths' 4-tile int8 loops take it, variants.h) prefetches
+  // kL2Ahead bytes ahead into L2 (_MM_HINT_T1) first, then `ahead` bytes ahead with
+  // _MM_HINT_T0 (far first ran faster; with `ahead` 0, neither). Those loops read each
+  // group's planes with dozens of loads a group (a quad of each tile, each plane), and on a
+  // Zen 4 their speed from DRAM hung on where their code sat (6-bit codes: about 0.47 or 0.82
+  // of the read probe as 16-byte shifts of the code moved it; docs/widths.md), which points at
+  // the core's per-instruction (IP-indexed) stride prefetcher; a prefetch into L2 does not
+  // depend on it.
   static constexpr int64_t kPrefetchFp32 = 12288;
   static constexpr int64_t kPrefetchInt8 = 6144;
   static constexpr int64_t kL2Ahead = 32768;
@@ -84,6 +85,7 @@ struct TileKernels {
   }
   template <int NT, int hint>
   static CIM_INLINE void prefetch_span(const PackedWeights& w, const uint8_t* const (&blk)[NT], int64_t ahead) {
+    static_assert(hint >= _MM_HINT_NTA && hint <= _MM_HINT_T0, "a hint _mm_prefetch takes (not kHintT0L2)");
     const uintptr_t base = reinterpret_cast<uintptr_t>(blk[0]) + static_cast<uintptr_t>(ahead);
     for (int64_t off = 0; off < NT * w.block_bytes; off += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(base + static_cast<uintptr_t>(off)), static_cast<_mm_hint>(hint));

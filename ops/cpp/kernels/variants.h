@@ -105,13 +105,15 @@ struct Variants {
 // 12 KiB prefetch (compute-bound at widths other than 4: two strips at once ran level on an
 // Intel Xeon); int8 mode over kStrips strips at once kAhead ahead, one vector at a time
 // with kNarrow (int8_narrow), else 4 tiles side by side. Entry 4 is the 4-bit default pair.
-// The 4-tile int8 form prefetches into L2 32 KiB ahead as well (kHintT0L2): without it its
-// speed from DRAM on a Zen 4 hung on where its code sat (tile_kernels.h, docs/widths.md).
+// The 4-tile int8 form of the widths other than 4 prefetches into L2 32 KiB ahead as well
+// (kHintT0L2): without it its speed from DRAM on a Zen 4 hung on where its code sat
+// (tile_kernels.h, docs/widths.md). Entry 4 keeps T0 alone: 4-bit codes run the tuned
+// variant (KernelTable::matmul_for), not this entry.
 template <class S, int64_t kAhead, int kStrips, bool kNarrow>
 struct Widths {
-  static constexpr int kInt8Hint = kNarrow ? kT0 : kHintT0L2;
   template <int kBits>
   static constexpr KernelVariant at(const char* name) {
+    constexpr int kInt8Hint = kNarrow || kBits == 4 ? kT0 : kHintT0L2;
     return KernelVariant{name,
                          {variant_matmul<S, S, kBits, false, 4, 12288, kT0>,
                           variant_matmul<S, S, kBits, true, 4, kAhead, kInt8Hint, kNarrow, kStrips>},

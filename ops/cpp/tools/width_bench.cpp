@@ -3,8 +3,9 @@
 // width"). A width whose loop runs slower per byte than the 4-bit one, hot, is compute-bound near
 // the memory wall too: a cold stream then takes about the read's time plus the loop's. With
 // LAYERS > 1 the calls cycle over that many copies of the layer (cold once they outgrow the
-// last-level cache), and a plain read of the same streams is timed beside them: the kernel's
-// share of the read's speed, as `tools/measure_widths.py` reports it through ORT. Build
+// last-level cache), and a plain read of the same streams (one 8-byte load a 64-byte line,
+// after the kernel's passes) is timed beside them: the kernel's share of the read's speed,
+// near what `tools/measure_widths.py` reports through ORT against its own probe. Build
 // against the library's kernel objects:
 //
 //   g++ -O2 -std=c++17 -mavx2 -DCIM_INT4_X86_KERNELS -Iops/cpp -I<build>/generated
@@ -34,8 +35,10 @@ using namespace cim;
 
 #ifdef CIM_PAD_BYTES
 // -DCIM_PAD_BYTES=N: N bytes of code linked in front of the kernel objects (this object comes
-// first on the command line), which moves every kernel by N bytes and nothing else: how the
-// widths' cold decode was found to hang on where their code sits (docs/widths.md).
+// first on the command line), which moves every kernel and nothing else: by N bytes between
+// two builds whose N differ by a multiple of 16 (the functions' alignment; against no pad at
+// all, N plus the function's own few bytes, rounded up to 16). How the widths' cold decode
+// was found to hang on where their code sits (docs/widths.md).
 #define CIM_STR2(x) #x
 #define CIM_STR(x) CIM_STR2(x)
 __attribute__((used, noinline)) void cim_pad_bytes() { asm volatile(".skip " CIM_STR(CIM_PAD_BYTES) ", 0x90"); }
@@ -115,7 +118,8 @@ int main(int argc, char** argv) {
     std::printf("  %d-bit  %6.1f GB/s  %6.1f G weights/s  (%.1f us a call)", bits, bytes / best / 1e9,
                 static_cast<double>(K * N) * layers * calls / best / 1e9, best / calls / layers * 1e6);
     if (layers > 1) {
-      // A plain read of the same streams, 64 bytes a step, in the same order.
+      // A plain read of the same streams, 64 bytes a step, in the same order (no bias here:
+      // bytes() is the stream's).
       double read = 1e9;
       uint64_t sink = 0;
       for (int pass = 0; pass < 5; ++pass) {
