@@ -17,6 +17,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "tools/bench_layers.h"
 
 using namespace cim;
 
@@ -49,20 +50,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::mt19937 rng(1);
-  auto random_weights = [&](int64_t n, PackedStorage& st) {
-    std::vector<uint8_t> packed(static_cast<size_t>(n * K / 2));
-    for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    std::vector<uint16_t> scales(static_cast<size_t>(n * K / gs));
-    for (auto& s : scales) s = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
-    return st.build(K, n, gs, 4, packed.data(), scales.data(), cim::kScaleF16, nullptr, nullptr);
-  };
   std::vector<std::unique_ptr<PackedStorage>> layers;
   for (int l = 0; l < kLayers; ++l) {
     layers.emplace_back(new PackedStorage);
-    if (!random_weights(N, *layers.back()).empty()) return 1;
+    if (!random_layer(*layers.back(), K, N, 4, kScaleF16, rng).empty()) return 1;
   }
   PackedStorage one;
-  if (!random_weights(N * kLayers, one).empty()) return 1;
+  if (!random_layer(one, K, N * kLayers, 4, kScaleF16, rng).empty()) return 1;
   std::vector<float> A(K), Y(static_cast<size_t>(N * kLayers));
   for (auto& a : A) a = std::uniform_real_distribution<float>(-1, 1)(rng);
   std::vector<int8_t> q(K);
@@ -87,8 +81,7 @@ int main(int argc, char** argv) {
     single = std::min(single, seconds_of(t0));
     evict();
     t0 = std::chrono::steady_clock::now();
-    const uint8_t* p = one.weights().stream;
-    for (int64_t i = 0; i < one.bytes(); i += 64) sink += p[i];
+    sink += touch_stream(one);
     read = std::min(read, seconds_of(t0));
   }
   const double bytes = double(layers[0]->bytes()) * kLayers;

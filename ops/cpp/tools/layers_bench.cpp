@@ -34,6 +34,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "tools/bench_layers.h"
 #include "tools/bench_table.h"
 
 using namespace cim;
@@ -162,18 +163,8 @@ int main(int argc, char** argv) {
   double bytes = 0;
   int64_t max_k = 0, max_n = 0;
   for (const Shape& s : shapes) {
-    std::vector<uint8_t> packed(static_cast<size_t>(s.N * s.K / 2));
-    for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    // float16 scales (or int8 scales' float16 super-scales, one per kSuperGroups groups) near 0.01.
-    const int64_t groups = s.K / 32;
-    std::vector<uint16_t> halves(static_cast<size_t>(s.N * (int8_scales ? supers_of(groups) : groups)));
-    for (auto& x : halves) x = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
-    std::vector<int8_t> steps(int8_scales ? static_cast<size_t>(s.N * groups) : 0);
-    for (auto& x : steps) x = static_cast<int8_t>(1 + rng() % 127);
     layers.emplace_back(new PackedStorage);
-    const std::string problem =
-        int8_scales ? layers.back()->build(s.K, s.N, 32, 4, packed.data(), steps.data(), kScaleI8, halves.data(), nullptr)
-                    : layers.back()->build(s.K, s.N, 32, 4, packed.data(), halves.data(), kScaleF16, nullptr, nullptr);
+    const std::string problem = random_layer(*layers.back(), s.K, s.N, 4, int8_scales ? kScaleI8 : kScaleF16, rng);
     if (!problem.empty()) {
       std::fprintf(stderr, "%s\n", problem.c_str());
       return 1;

@@ -3,7 +3,7 @@
 // width"). A width whose loop runs slower per byte than the 4-bit one, hot, is compute-bound near
 // the memory wall too: a cold stream then takes about the read's time plus the loop's. With
 // LAYERS > 1 the calls cycle over that many copies of the layer (cold once they outgrow the
-// last-level cache), and a plain read of the same streams (one 8-byte load a 64-byte line,
+// last-level cache), and a plain read of the same streams (a byte of each 64-byte line,
 // after the kernel's passes) is timed beside them: the kernel's share of the read's speed,
 // near what `tools/measure_widths.py` reports through ORT against its own probe. Build
 // against the library's kernel objects:
@@ -22,13 +22,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/kernel.h"
 #include "kernels/repack.h"
+#include "tools/bench_layers.h"
 #include "tools/bench_table.h"
 
 using namespace cim;
@@ -77,28 +77,10 @@ int main(int argc, char** argv) {
   }
   std::printf("%s table, variant %s, %lld x %lld, %s scales, %d layer(s), %d calls a pass\n", name, variant->name,
               static_cast<long long>(K), static_cast<long long>(N), scale_name.c_str(), layers, calls);
-  const int64_t groups = K / 32;
   for (int bits : {2, 3, 4, 5, 6, 8}) {
-    std::vector<uint8_t> packed(static_cast<size_t>(N * K * bits / 8));
-    for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    // Scales of the layer's dtype: float32 / float16 near 2^-7, int8 1 .. 120 under a super-scale.
-    std::vector<uint8_t> scales(static_cast<size_t>(N * groups * 4));
-    for (int64_t i = 0; i < N * groups; ++i) {
-      if (scale_type == kScaleF32) {
-        const float f = 0.0078125f * (1.0f + static_cast<float>(rng() % 100) / 100.0f);
-        std::memcpy(&scales[static_cast<size_t>(4 * i)], &f, 4);
-      } else if (scale_type == kScaleF16) {
-        const uint16_t h = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));
-        std::memcpy(&scales[static_cast<size_t>(2 * i)], &h, 2);
-      } else {
-        scales[static_cast<size_t>(i)] = static_cast<uint8_t>(1 + rng() % 120);
-      }
-    }
-    std::vector<uint16_t> supers(static_cast<size_t>(N * supers_of(groups)), 0x2000);
     std::vector<PackedStorage> st(static_cast<size_t>(layers));
     for (auto& s : st) {
-      const std::string problem = s.build(K, N, 32, bits, packed.data(), scales.data(), scale_type,
-                                          scale_type == kScaleI8 ? supers.data() : nullptr, nullptr);
+      const std::string problem = random_layer(s, K, N, bits, scale_type, rng);
       if (!problem.empty()) {
         std::fprintf(stderr, "%s\n", problem.c_str());
         return 1;
@@ -118,21 +100,13 @@ int main(int argc, char** argv) {
     std::printf("  %d-bit  %6.1f GB/s  %6.1f G weights/s  (%.1f us a call)", bits, bytes / best / 1e9,
                 static_cast<double>(K * N) * layers * calls / best / 1e9, best / calls / layers * 1e6);
     if (layers > 1) {
-      // A plain read of the same streams, 64 bytes a step, in the same order (no bias here:
-      // bytes() is the stream's).
+      // A plain read of the same streams in the same order.
       double read = 1e9;
       uint64_t sink = 0;
       for (int pass = 0; pass < 5; ++pass) {
         const auto t0 = std::chrono::steady_clock::now();
         for (int c = 0; c < calls; ++c)
-          for (const auto& s : st) {
-            const uint8_t* p = s.weights().stream;
-            for (int64_t i = 0; i + 64 <= s.bytes(); i += 64) {
-              uint64_t v;
-              std::memcpy(&v, p + i, sizeof v);
-              sink += v;
-            }
-          }
+          for (const auto& s : st) sink += touch_stream(s);
         read = std::min(read, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       std::printf("  read %.1f GB/s, kernel %.2f of it%s", bytes / read / 1e9, read / best, sink == 1 ? " " : "");
