@@ -1,0 +1,143 @@
+"""A small decoder shaped as onnxruntime-genai's builder writes one: tied table, packed QKV, GroupQueryAttention.
+
+For tests of what runs on genai folders (scale tuning's NumPy decoder, ``tune.graph``) without the
+builder or torch: random weights, two layers, the builder's op types and input names (``past.*``
+instead of ``past_key_values.*``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD, INTER, LAYERS = 64, 32, 4, 2, 16, 48, 2
+
+
+def genai_like(seed: int = 0) -> onnx.ModelProto:
+    """A two-layer decoder shaped as onnxruntime-genai's builder writes one (tied table, packed QKV, GQA)."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def init(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def weight(name: str, k: int, n: int) -> str:
+        return init(name, (rng.normal(size=(k, n)) / np.sqrt(k)).astype(np.float32))
+
+    def gamma(name: str) -> str:
+        return init(name, (1 + 0.1 * rng.normal(size=HIDDEN)).astype(np.float32))
+
+    one = init("one", np.array([1], np.int64))
+    index = init("index", np.array(1, np.int64))
+    nodes += [
+        helper.make_node("ReduceSum", ["attention_mask", one], ["len"], keepdims=0),
+        helper.make_node("Sub", ["len", one], ["len1"]),
+        helper.make_node("Cast", ["len1"], ["seqlens_k"], to=TensorProto.INT32),
+        helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+        helper.make_node("Gather", ["mask_shape", index], ["total"], axis=0),
+        helper.make_node("Cast", ["total"], ["total_len"], to=TensorProto.INT32),
+    ]
+    freq = 1.0 / 10000 ** (np.arange(HEAD // 2) / (HEAD // 2))
+    angle = np.arange(64)[:, None] * freq[None]
+    init("cos_cache", np.cos(angle).astype(np.float32))
+    init("sin_cache", np.sin(angle).astype(np.float32))
+    head = weight("lm_head.weight", HIDDEN, VOCAB)
+    nodes += [
+        helper.make_node("Transpose", [head], ["table"], perm=[1, 0]),
+        helper.make_node("Gather", ["table", "input_ids"], ["h0"]),
+    ]
+    x = "h0"
+    skip = None
+    for i in range(LAYERS):
+        p = f"l{i}"
+        if skip is None:
+            norm = helper.make_node("SimplifiedLayerNormalization", [x, gamma(f"{p}.n1")], [f"{p}.x1"], epsilon=1e-5)
+            nodes.append(norm)
+            res = x
+        else:
+            nodes.append(
+                helper.make_node(
+                    "SkipSimplifiedLayerNormalization",
+                    [x, skip, gamma(f"{p}.n1")],
+                    [f"{p}.x1", "", "", f"{p}.r1"],
+                    domain="com.microsoft",
+                    epsilon=1e-5,
+                )
+            )
+            res = f"{p}.r1"
+        qkv = weight(f"{p}.qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD)
+        nodes += [
+            helper.make_node("MatMul", [f"{p}.x1", qkv], [f"{p}.qkv_out"]),
+            helper.make_node(
+                "GroupQueryAttention",
+                [
+                    f"{p}.qkv_out",
+                    "",
+                    "",
+                    f"past.{i}.key",
+                    f"past.{i}.value",
+                    "seqlens_k",
+                    "total_len",
+                    "cos_cache",
+                    "sin_cache",
+                ],
+                [f"{p}.att", f"present.{i}.key", f"present.{i}.value"],
+                domain="com.microsoft",
+                num_heads=HEADS,
+                kv_num_heads=KV_HEADS,
+                do_rotary=1,
+                rotary_interleaved=0,
+                scale=0.3,
+            ),
+            helper.make_node("MatMul", [f"{p}.att", weight(f"{p}.o", HEADS * HEAD, HIDDEN)], [f"{p}.o_out"]),
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                [res, f"{p}.o_out", gamma(f"{p}.n2")],
+                [f"{p}.x2", "", "", f"{p}.r2"],
+                domain="com.microsoft",
+                epsilon=1e-5,
+            ),
+            helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.gate", HIDDEN, INTER)], [f"{p}.g"]),
+            helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.up", HIDDEN, INTER)], [f"{p}.u"]),
+            helper.make_node("Sigmoid", [f"{p}.g"], [f"{p}.sg"]),
+            helper.make_node("Mul", [f"{p}.g", f"{p}.sg"], [f"{p}.act"]),
+            helper.make_node("Mul", [f"{p}.act", f"{p}.u"], [f"{p}.m"]),
+            helper.make_node("MatMul", [f"{p}.m", weight(f"{p}.down", INTER, HIDDEN)], [f"{p}.d"]),
+        ]
+        x, skip = f"{p}.r2", f"{p}.d"
+    nodes += [
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [x, skip, gamma("final")],
+            ["xf", "", "", "rf"],
+            domain="com.microsoft",
+            epsilon=1e-5,
+        ),
+        helper.make_node("MatMul", ["xf", head], ["logits"]),
+    ]
+    past = [helper.make_tensor_value_info(f"past.{i}.{kv}", TensorProto.FLOAT, [1, KV_HEADS, "past", HEAD])
+            for i in range(LAYERS) for kv in ("key", "value")]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "genai_like",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "seq"]), *past],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", VOCAB])] +
+        [helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT, None)
+         for i in range(LAYERS) for kv in ("key", "value")],
+        inits,
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+def genai_feeds(seq: int = 12, seed: int = 1) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(0, VOCAB, size=(1, seq), dtype=np.int64)
+    out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in range(LAYERS):
+        for kv in ("key", "value"):
+            out[f"past.{i}.{kv}"] = np.zeros((1, KV_HEADS, 0, HEAD), np.float32)
+    return out

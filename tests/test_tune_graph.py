@@ -1,0 +1,51 @@
+"""exporter/tune/graph.py: the NumPy decoder against ONNX Runtime's forward and against finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from cim_int4.exporter.tune.graph import Graph
+from cim_int4.graphs.genai_like import genai_feeds as feeds
+from cim_int4.graphs.genai_like import genai_like
+
+
+def test_forward_matches_onnx_runtime():
+    model = genai_like()
+    f = feeds()
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["logits"], f)[0]
+    got = Graph(model).forward(f)[0]["logits"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _kl(logits: np.ndarray, ref: np.ndarray) -> tuple[float, np.ndarray]:
+    z = logits - logits.max(-1, keepdims=True)
+    lq = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    p = np.exp(ref)
+    return float((p * (ref - lq)).sum()), np.exp(lq) - p
+
+
+@pytest.mark.parametrize("name", ["lm_head.weight", "l0.qkv", "l0.o", "l1.gate", "l1.up", "l1.down", "l0.n1", "final"])
+def test_gradients_match_finite_differences(name):
+    model = genai_like()
+    graph = Graph(model, np.float64)
+    f = feeds()
+    values, tape = graph.forward(f)
+    rng = np.random.default_rng(2)
+    ref = values["logits"] + rng.normal(size=values["logits"].shape)
+    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    _, dlogits = _kl(values["logits"], ref)
+    grad = graph.backward(tape, {"logits": dlogits}, [name])[name]
+    w = graph.constants[name]
+    direction = rng.normal(size=w.shape)
+    eps = 1e-6
+    lp = _kl(graph.forward(f, {name: w + eps * direction})[0]["logits"], ref)[0]
+    lm = _kl(graph.forward(f, {name: w - eps * direction})[0]["logits"], ref)[0]
+    assert (grad * direction).sum() == pytest.approx((lp - lm) / (2 * eps), rel=1e-6)
+
+
+def test_an_unknown_op_is_a_one_line_error():
+    model = genai_like()
+    model.graph.node[7].op_type = "Softmax"
+    with pytest.raises(ValueError, match="node '.*': op Softmax is not one scale tuning runs"):
+        Graph(model)
