@@ -135,6 +135,7 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
 
 
 def genai_feeds(seq: int = 12, seed: int = 1) -> dict[str, np.ndarray]:
+    """One window of ``seq`` random tokens with an empty past: the inputs ``genai_like`` takes."""
     ids = np.random.default_rng(seed).integers(0, VOCAB, size=(1, seq), dtype=np.int64)
     out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for i in range(LAYERS):

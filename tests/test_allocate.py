@@ -22,10 +22,7 @@ ZOO = Path(__file__).parent / "zoo"
 
 def _twin_outputs(model: onnx.ModelProto, quantized: onnx.ModelProto, feeds: dict) -> tuple[list, list]:
     """FP32 outputs and those of ``quantized`` with every attribute-form node's weight dequantized back to FP32."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
-    from dequantized_twin import twin
+    from cim_int4.exporter.tune.twin import twin
 
     def run(m: onnx.ModelProto) -> list:
         s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from cim_int4.exporter.tune.graph import Graph
@@ -49,3 +50,21 @@ def test_an_unknown_op_is_a_one_line_error():
     model.graph.node[7].op_type = "Softmax"
     with pytest.raises(ValueError, match="node '.*': op Softmax is not one scale tuning runs"):
         Graph(model)
+
+
+def test_a_padded_window_is_a_one_line_error():
+    f = feeds()
+    f["attention_mask"][0, :3] = 0
+    with pytest.raises(ValueError, match="GroupQueryAttention node '.*': padded windows"):
+        Graph(genai_like()).forward(f)
+
+
+def test_a_reduction_on_the_gradient_path_is_a_one_line_error():
+    model = genai_like()
+    final = next(n for n in model.graph.node if n.output and n.output[0] == "logits")
+    final.output[0] = "raw"
+    model.graph.node.append(onnx.helper.make_node("ReduceSum", ["raw", "one"], ["logits"], name="sum", keepdims=1))
+    graph = Graph(model)
+    values, tape = graph.forward(feeds())
+    with pytest.raises(ValueError, match="ReduceSum node 'sum': on the path from the weights to the loss"):
+        graph.backward(tape, {"logits": np.ones_like(values["logits"])}, ["l0.qkv"])

@@ -18,8 +18,6 @@ from pathlib import Path
 import onnx
 from cim_int4.exporter.tune.twin import twin
 
-__all__ = ["twin"]
-
 SIDE_FILES = ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "chat_template.jinja", "tokenizer.model")  # fmt: skip
 

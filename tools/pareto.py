@@ -76,9 +76,9 @@ def _nbits(model: onnx.ModelProto, bits: int) -> onnx.ModelProto | None:
 def _outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[list[np.ndarray]], str]:
     """Outputs on every batch with the op library, else with the dequantized twin; and which it was."""
     import onnxruntime as ort
+    from cim_int4.exporter.tune.twin import twin
     from cim_int4.ops.ort_model import proto_session
     from cim_int4.ops.session import session_options
-    from dequantized_twin import twin
 
     how = "op"
     try:

@@ -39,7 +39,7 @@ def main() -> None:
     import onnx
     import onnxruntime as ort
     from cim_int4.exporter.tune.scales import TuneOptions, tune_scales
-    from dequantized_twin import twin
+    from cim_int4.exporter.tune.twin import twin
     from measure_methods import calibration_windows
 
     fp32, exported, out = Path(args.fp32), Path(args.exported), Path(args.out)
@@ -57,6 +57,9 @@ def main() -> None:
         TuneOptions(args.epochs, args.lr, args.held_out),
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
+    twinned = onnx.ModelProto()
+    twinned.CopyFrom(model)  # before saving: a save to external data empties the saved model's tensors
+    twinned = twin(twinned)
     out.mkdir(parents=True, exist_ok=True)
     onnx.save(model, out / "model.onnx", save_as_external_data=True, location="model.onnx.data")
     for f in exported.iterdir():
@@ -64,7 +67,7 @@ def main() -> None:
             shutil.copy(f, out / f.name)
     twin_dir = out.parent / f"{out.name}-twin"
     twin_dir.mkdir(parents=True, exist_ok=True)
-    onnx.save(twin(model), twin_dir / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    onnx.save(twinned, twin_dir / "model.onnx", save_as_external_data=True, location="model.onnx.data")
     for f in exported.iterdir():
         if f.is_file() and not f.name.startswith("model.onnx"):
             shutil.copy(f, twin_dir / f.name)

@@ -79,8 +79,12 @@ def _gqa(node: onnx.NodeProto, x: list[Array | None]) -> tuple[Array, _Attention
         raise ValueError(f"{where}: a past of {x[3].shape[2]} tokens; scale tuning runs one window from an empty past")
     if a.get("rotary_interleaved") or a.get("softcap", 0.0) or a.get("local_window_size", -1) != -1:
         raise ValueError(f"{where}: interleaved rotary, softcap or a local window; scale tuning supports none of them")
+    if a.get("smooth_softmax") or any(t is not None for t in x[9:]):
+        raise ValueError(f"{where}: smooth softmax or position ids / attention bias inputs; scale tuning has none")
     qkv = x[0]
     batch, seq, width = qkv.shape
+    if np.any(np.asarray(x[5]) != seq - 1) or int(np.asarray(x[6]).reshape(-1)[0]) != seq:
+        raise ValueError(f"{where}: padded windows (an attention mask with zeros); scale tuning takes full windows")
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
     hd = width // (heads + 2 * kv_heads)
     split = lambda lo, n: qkv[..., lo * hd : (lo + n) * hd].reshape(batch, seq, n, hd).transpose(0, 2, 1, 3)  # noqa: E731
@@ -88,6 +92,8 @@ def _gqa(node: onnx.NodeProto, x: list[Array | None]) -> tuple[Array, _Attention
     cos = sin = np.zeros(0, qkv.dtype)
     if a.get("do_rotary"):
         cos, sin = (np.asarray(t[:seq], qkv.dtype)[None, None] for t in (x[7], x[8]))
+        if cos.shape[-1] != hd // 2 or cos.shape[2] != seq:
+            raise ValueError(f"{where}: rotary caches {x[7].shape}, expected >= {seq} rows of {hd // 2} (full rotary)")
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     rep = heads // kv_heads
     k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
@@ -143,7 +149,11 @@ class Graph:
     """A plain-ONNX decoder run in NumPy: ``forward`` with some initializers replaced, ``backward`` on its tape."""
 
     def __init__(self, model: onnx.ModelProto, dtype: type = np.float32) -> None:
-        self.nodes = list(model.graph.node)
+        self.nodes = []
+        for node in model.graph.node:  # copies: a NodeProto kept would keep the whole model (and its weights) alive
+            kept = onnx.NodeProto()
+            kept.CopyFrom(node)
+            self.nodes.append(kept)
         for node in self.nodes:
             if node.op_type not in SUPPORTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
                 runs = ", ".join(SUPPORTED)
@@ -156,7 +166,6 @@ class Graph:
         for node in self.nodes:
             if node.op_type == "Constant":
                 self.constants[node.output[0]] = numpy_helper.to_array(_attrs(node)["value"])
-        self.outputs = [o.name for o in model.graph.output]
 
     def forward(
         self, feeds: Mapping[str, Array], weights: Mapping[str, Array] | None = None
@@ -180,6 +189,10 @@ class Graph:
         if op == "MatMul":
             return [x[0] @ x[1]], None
         if op == "Gather":
+            if int(a.get("axis", 0)) != 0 and np.issubdtype(x[0].dtype, np.floating):
+                raise ValueError(
+                    f"Gather node '{node.name}': axis {a['axis']} of a float table; scale tuning takes rows"
+                )
             return [np.take(x[0], x[1], axis=int(a.get("axis", 0)))], None
         if op == "Transpose":
             return [np.transpose(x[0], a.get("perm"))], None
@@ -189,6 +202,8 @@ class Graph:
             f: Callable[[Array, Array], Array] = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract}[op]
             return [f(x[0], x[1])], None
         if op == "Slice":
+            if len(x) > 4 and x[4] is not None and np.any(np.asarray(x[4]) != 1):
+                raise ValueError(f"Slice node '{node.name}': steps {x[4].tolist()}; scale tuning takes step 1 only")
             y, index = _slice(x[0], x[1], x[2], x[3] if len(x) > 3 else None)
             return [y], index
         if op == "Cast":
@@ -222,13 +237,20 @@ class Graph:
         for step in reversed(tape):
             node, x = step.node, step.inputs
             dy = [g.get(n) if n else None for n in node.output]
-            if all(d is None for d in dy) or node.op_type in _NO_GRAD:
+            if all(d is None for d in dy):
                 continue
             op, d = node.op_type, dy[0]
-            if op == "MatMul":
+            if op == "Cast" and np.issubdtype(x[0].dtype, np.floating):
+                add(node.input[0], d.astype(x[0].dtype))
+            elif op in _NO_GRAD:
+                raise ValueError(f"{op} node '{node.name}': on the path from the weights to the loss, with no backward")
+            elif op == "MatMul":
                 add(node.input[0], d @ np.swapaxes(x[1], -1, -2))
-                if node.input[1] in wanted:
-                    add(node.input[1], x[0].reshape(-1, x[0].shape[-1]).T @ d.reshape(-1, d.shape[-1]))
+                if node.input[1] in wanted or node.input[1] not in self.constants:
+                    if x[1].ndim == 2:
+                        add(node.input[1], x[0].reshape(-1, x[0].shape[-1]).T @ d.reshape(-1, d.shape[-1]))
+                    else:
+                        add(node.input[1], _unbroadcast(np.swapaxes(x[0], -1, -2) @ d, x[1].shape))
             elif op == "Gather":
                 table = np.zeros_like(x[0])
                 np.add.at(table, x[1].reshape(-1), d.reshape(-1, d.shape[-1]))

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ...contract import MATMUL, Int4Node, int8_scales, is_op_node, scale_values
+from ...contract import GATHER, MATMUL, MATMUL_SHARED, Int4Node, int8_scales, is_op_node, scale_values
 from .graph import Graph
 from .twin import ScaleParam, twin
 
@@ -40,7 +40,7 @@ class TuneOptions:
 
 @dataclass
 class TuneResult:
-    """What the tuning did: held-out KL per token before and after, and its time."""
+    """What the tuning did: held-out KL per token before and after (the scales as stored), and its time."""
 
     kl_before: float
     kl_after: float
@@ -86,6 +86,9 @@ class _Twin:
         copy.CopyFrom(exported)
         self.params: list[ScaleParam] = []
         self.graph = Graph(twin(copy, self.params))
+        for p in self.params:  # made from the scales at every step: no second copy
+            for name, _ in p.weights:
+                del self.graph.constants[name]
         self.theta = [np.zeros(p.scales.shape) for p in self.params]
 
     def scales(self) -> list[np.ndarray]:
@@ -153,8 +156,10 @@ def tune_scales(
                 f"epoch {epoch + 1}/{options.epochs}: KL per token {np.mean(seen):.4f} training, {after:.4f} held out "
                 f"(was {before:.4f}), {time.perf_counter() - start:.0f} s"
             )
+    params = sum(t.size for t in model.theta)
     _write_back(exported, model.params, model.scales())
-    return TuneResult(before, after, time.perf_counter() - start, sum(t.size for t in model.theta))
+    model = _Twin(exported)  # held-out KL of the scales as stored (int8 ones re-rounded under new super-scales)
+    return TuneResult(before, held_kl(), time.perf_counter() - start, params)
 
 
 def _encode(values: np.ndarray, dtype: np.dtype, name: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -178,7 +183,8 @@ def _write_back(exported: onnx.ModelProto, params: list[ScaleParam], scales: lis
             dtype = np.dtype(np.int8) if n.super_scales is not None else n.scales.dtype
             q, d = _encode(trained[node.name], dtype, f"node '{node.name}'")
             nodes[i] = replace(n, scales=q if d is None else scale_values(q, d), super_scales=d).to_node()
-    supers = {n.input[2]: n.input[3] for n in nodes if len(n.input) == 4}
+    shared = [n for n in nodes if is_op_node(n, MATMUL_SHARED) or is_op_node(n, GATHER)]
+    supers = {n.input[2]: n.input[3] for n in shared if len(n.input) == 4}
     for name, values in trained.items():
         if name not in inits:
             continue

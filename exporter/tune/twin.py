@@ -46,7 +46,7 @@ class ScaleParam:
     def scale_gradient(self, grad_rows: np.ndarray) -> np.ndarray:
         """d loss / d scale [N, groups] from d loss / d weight given as ``[N, K]`` rows."""
         n = self.q.shape[0]
-        padded = np.zeros(self.q.shape, np.float64)
+        padded = np.zeros(self.q.shape, np.float32)
         padded[:, : self.k] = grad_rows
         return (padded * self.q).reshape(n, -1, self.group_size).sum(-1)
 
@@ -69,6 +69,9 @@ def twin(model: onnx.ModelProto, params: list[ScaleParam] | None = None) -> onnx
     used: set[str] = set()
     new_nodes, new_inits = [], []
     shared: dict[str, ScaleParam] = {}
+    names = [n.name for n in model.graph.node if is_op_node(n) or is_op_node(n, GATHER)]
+    if "" in names or len(set(names)) != len(names):
+        raise ValueError("every CimInt4MatMul / CimInt4Gather node needs a name of its own (it names its weights)")
     for node in model.graph.node:
         if is_op_node(node) and len(node.input) == 1:
             n = Int4Node.from_node(node)
@@ -116,10 +119,16 @@ def twin(model: onnx.ModelProto, params: list[ScaleParam] | None = None) -> onnx
                 rows_kn = p.rows(p.scales)
                 new_inits.append(numpy_helper.from_array(rows_kn if gather else np.ascontiguousarray(rows_kn.T), name))
                 p.weights.append((name, not gather))
+            bias = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "bias"), None)
             if gather:
                 new_nodes.append(helper.make_node("Gather", [name, node.input[1]], list(node.output), name=node.name))
-            else:
+            elif bias is None:
                 new_nodes.append(helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name))
+            else:
+                mid, bias_name = f"{node.output[0]}/product", f"{node.name}/bias"
+                new_inits.append(numpy_helper.from_array(bias.astype(np.float32), bias_name))
+                new_nodes.append(helper.make_node("MatMul", [node.input[0], name], [mid], name=node.name))
+                new_nodes.append(helper.make_node("Add", [mid, bias_name], list(node.output)))
             continue
         new_nodes.append(node)
     del model.graph.node[:]
