@@ -7,8 +7,8 @@ import argparse, json, math, os, sys, time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'rotation_3bit'))
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.nn.utils.parametrize as P
-import lib, quant
-from lib import q_scales, gptq, windows, linears, rotate, load
+import quant
+from lib import bits_uniform, q_scales, gptq, windows, linears, rotate, load
 
 torch.set_num_threads(int(os.environ.get('THREADS', '2')))
 GRID = {2: torch.tensor([-3., -1., 1., 3.]), 3: torch.tensor([-8., -5., -3., -1., 1., 3., 5., 8.]),
@@ -44,8 +44,7 @@ def meth(W, H, spec):
     U = GRID[b][((Wq / Se)[..., None] - GRID[b]).abs().argmin(-1)]
     assert torch.allclose(U * Se, Wq, rtol=1e-4, atol=1e-6)
     RECORDS.append((U, S, G))
-    ng = -(-K // G)
-    return Wq, R * (b * K + 8 * ng + 16 * (-(-ng // 8)))
+    return Wq, bits_uniform(R, K, b, G)
 
 
 class Scaled(nn.Module):
@@ -61,6 +60,12 @@ class Scaled(nn.Module):
     def forward(self, _):
         K = self.U.shape[1]
         return self.scales().repeat_interleave(self.G, 1)[:, :K] * self.U
+
+
+def record(res):
+    print(json.dumps(res), flush=True)
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results.jsonl'), 'a') as f:
+        f.write(json.dumps(res) + '\n')
 
 
 @torch.no_grad()
@@ -126,10 +131,7 @@ def main():
     if a.epochs == 0:  # GPTQ (and --refit) only
         res = dict(name=a.name, bpw=round(bpw, 4), fp32_ppl16=fp[1], gptq_ppl8=before[0], gptq_ppl16=before[1],
                    gptq_kl=before[2], gptq_val_kl=vb, args=vars(a), wall=round(time.time() - t0))
-        print(json.dumps(res), flush=True)
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results.jsonl'), 'a') as f:
-            f.write(json.dumps(res) + '\n')
-        return
+        return record(res)
     opt = torch.optim.Adam(params, lr=a.lr)
     steps = a.epochs * len(Xc); sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     g = torch.Generator().manual_seed(0)
@@ -147,9 +149,7 @@ def main():
     after = score(model, Xe, ref_e)
     res = dict(name=a.name, bpw=round(bpw, 4), fp32_ppl16=fp[1], gptq_ppl16=before[1], gptq_kl=before[2],
                tuned_ppl8=after[0], tuned_ppl16=after[1], tuned_kl=after[2], args=vars(a), wall=round(time.time() - t0))
-    print(json.dumps(res), flush=True)
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results.jsonl'), 'a') as f:
-        f.write(json.dumps(res) + '\n')
+    record(res)
 
 
 if __name__ == '__main__':
