@@ -16,6 +16,7 @@ from onnx import helper
 
 from ..contract import OP_DOMAIN, OP_TYPE
 from . import writer
+from .calibration import feed_batches
 from .io import ModelFileError, read_model
 from .memory import bounded_heap
 from .options import CALIBRATED, ExportOptions
@@ -24,6 +25,7 @@ from .rotate import FOLD_BITS, NotRotatable, RotationSummary, rotate_residual
 from .sensitivity import export_mixed
 from .simplify import simplify_model
 from .summary import ExportSummary
+from .tune.export import Teacher
 from .widths import AUTO, CATCH_ALL
 from .writer import OutputFiles, Progress, TensorStore
 
@@ -295,11 +297,16 @@ def _export(
         )
     if options.feeds is None and options.bits == AUTO:
         raise ValueError("bits='auto' needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)")
+    teacher = None
+    if options.tune_epochs:  # the FP32 model before the rewrite, which may take it apart in place
+        options, teacher = _teacher(model, options)
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
         with bounded_heap():
             quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
+    if teacher is not None and summary.rewritten:
+        summary.tuning = teacher.tune(quantized, options.tune_epochs, options.tune_lr)
     if note:
         summary.warnings.insert(0, note)
     if rotation is not None:
@@ -316,6 +323,19 @@ def _export(
         raise NothingToQuantize(summary, int4_nodes)
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary
+
+
+def _teacher(model: onnx.ModelProto, options: ExportOptions) -> tuple[ExportOptions, Teacher]:
+    """The scale tuning's teacher (``model`` in ORT) and batches; ``feeds`` read once into a list if they are both."""
+    if options.tune_feeds is None:
+        options = options.with_(feeds=feed_batches(options.feeds, model))  # an iterator is read once
+        batches = options.feeds
+    else:
+        batches = feed_batches(options.tune_feeds, model)
+    try:
+        return options, Teacher(model, batches)
+    except ValueError as e:
+        raise ExportError(f"tune_epochs: {e}") from None
 
 
 def _int4_nodes(model: onnx.ModelProto) -> list[str]:

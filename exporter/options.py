@@ -27,6 +27,7 @@ from ..contract import (
 from .gptq import DEFAULT_BLOCK, DEFAULT_DAMP
 from .quantize import DEFAULT_SCALE_DTYPE, DEFAULT_SCALE_RULE, check_scale_dtype
 from .scale_rules import check_scale_rule
+from .tune.scales import DEFAULT_LR as DEFAULT_TUNE_LR
 from .widths import AUTO, Bits, normalize_bits
 
 # Output cosine the sensitivity analysis aims for on the calibration inputs (``feeds``).
@@ -91,6 +92,10 @@ class ExportOptions:
     * ``grid`` (``"uniform"``, ``"normal"``): what the codes of 2- and 3-bit layers stand for
       (contract.GRIDS); ``"normal"`` puts them on Gaussian levels, for rotated weights (docs/widths.md).
       Other widths stay uniform.
+    * ``tune_epochs`` (0: none), ``tune_lr`` and ``tune_feeds`` (default: ``feeds``): after the
+      export, train every group scale, codes fixed, so the model's first output (a language model's
+      logits) comes back to FP32's in KL on the calibration batches (exporter.tune; docs/methods.md
+      "Scale tuning"). Stored as before: no byte more. Needs every op of the graph in exporter.tune.graph.
     """
 
     group_size: int = DEFAULT_GROUP_SIZE
@@ -115,6 +120,9 @@ class ExportOptions:
     bits_sensitivity: str = "auto"  # bits="auto": one of BITS_SENSITIVITIES (exporter.allocate)
     rotate: bool = False
     grid: str = DEFAULT_GRID
+    tune_epochs: int = 0
+    tune_lr: float = DEFAULT_TUNE_LR
+    tune_feeds: str | os.PathLike | Feeds | Iterable[Feeds] | None = None
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -146,6 +154,12 @@ class ExportOptions:
                 f"{self.method!r}{'' if self.feeds is not None else ', no feeds'}): rounded to nearest, rotated "
                 "weights lose far more (docs/widths.md, 'Rotation')"
             )
+        if not (isinstance(self.tune_epochs, int) and self.tune_epochs >= 0):
+            raise ValueError(f"tune_epochs must be a non-negative integer, got {self.tune_epochs!r}")
+        if not (isinstance(self.tune_lr, (int, float)) and self.tune_lr > 0 and np.isfinite(self.tune_lr)):
+            raise ValueError(f"tune_lr must be a positive finite number, got {self.tune_lr!r}")
+        if self.tune_epochs and self.feeds is None and self.tune_feeds is None:
+            raise ValueError("tune_epochs needs calibration inputs: pass feeds= or tune_feeds= (an .npz or batches)")
         if self.bits_budget is not None:
             if self.bits != AUTO:
                 raise ValueError(f"bits_budget needs bits='auto' (got bits={self.bits!r})")
@@ -159,13 +173,13 @@ class ExportOptions:
 
     @property
     def whole_model(self) -> bool:
-        """Whether the export needs every weight in memory (onnxsim does; AWQ rewrites initializers in place).
+        """Whether the export needs every weight in memory (onnxsim does; AWQ, scale tuning: in place).
 
         Other exports with feeds (``bits="auto"`` too) read each weight from the input file once, into
         the probe (exporter.probe).
         """
         awq = self.method in ("awq", "awq+gptq", "auto")
-        return self.simplify or (self.feeds is not None and awq)
+        return self.simplify or (self.feeds is not None and awq) or self.tune_epochs > 0
 
     def with_(self, **changes: Any) -> ExportOptions:
         """A copy with ``changes`` (field names); TypeError names an unknown one."""

@@ -165,6 +165,8 @@ class ExportSummary:
     gated: list[str] = field(default_factory=list)
     # Set by ``rotate=True`` (exporter.rotate.RotationSummary): what the rotation changed.
     rotation: Any = None
+    # Set by ``tune_epochs`` (exporter.tune.export.TuneSummary): the scales trained after the export.
+    tuning: Any = None
 
     @property
     def bytes_before(self) -> int:
@@ -210,5 +212,7 @@ class ExportSummary:
             lines.append(self.mixed_precision.format())
         if self.allocation is not None:
             lines.append(self.allocation.format())
+        if self.tuning is not None:
+            lines.append(self.tuning.format())
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)

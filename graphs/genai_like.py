@@ -14,8 +14,13 @@ from onnx import TensorProto, helper, numpy_helper
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD, INTER, LAYERS = 64, 32, 4, 2, 16, 48, 2
 
 
-def genai_like(seed: int = 0) -> onnx.ModelProto:
-    """A two-layer decoder shaped as onnxruntime-genai's builder writes one (tied table, packed QKV, GQA)."""
+def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
+    """A two-layer decoder shaped as onnxruntime-genai's builder writes one (tied table, packed QKV, GQA).
+
+    ``gemma``: shaped as its Gemma 3 graphs instead: the embedding scaled, QKV split with query and
+    key norms per head into GroupQueryAttention's three inputs, the first layer's attention local
+    (4 tokens), norms after attention and MLP too, and a tanh Gelu gate.
+    """
     rng = np.random.default_rng(seed)
     inits, nodes = [], []
 
@@ -26,8 +31,13 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
     def weight(name: str, k: int, n: int) -> str:
         return init(name, (rng.normal(size=(k, n)) / np.sqrt(k)).astype(np.float32))
 
-    def gamma(name: str) -> str:
-        return init(name, (1 + 0.1 * rng.normal(size=HIDDEN)).astype(np.float32))
+    def gamma(name: str, size: int = HIDDEN) -> str:
+        return init(name, (1 + 0.1 * rng.normal(size=size)).astype(np.float32))
+
+    def norm(x: str, name: str, size: int = HIDDEN) -> str:
+        node = helper.make_node("SimplifiedLayerNormalization", [x, gamma(name, size)], [f"{name}.y"], epsilon=1e-6)
+        nodes.append(node)
+        return f"{name}.y"
 
     one = init("one", np.array([1], np.int64))
     index = init("index", np.array(1, np.int64))
@@ -49,12 +59,21 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Gather", ["table", "input_ids"], ["h0"]),
     ]
     x = "h0"
+    if gemma:
+        scale = init("embed_scale", np.array(np.sqrt(HIDDEN), np.float32))
+        nodes.append(helper.make_node("Mul", ["h0", scale], ["h"]))
+        x = "h"
+        init("q_heads", np.array([0, -1, HEAD], np.int64))
+        init("q_back", np.array([0, -1, HEADS * HEAD], np.int64))
+        init("k_back", np.array([0, -1, KV_HEADS * HEAD], np.int64))
+        init("qkv_sizes", np.array([HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], np.int64))
     skip = None
     for i in range(LAYERS):
         p = f"l{i}"
         if skip is None:
-            norm = helper.make_node("SimplifiedLayerNormalization", [x, gamma(f"{p}.n1")], [f"{p}.x1"], epsilon=1e-5)
-            nodes.append(norm)
+            nodes.append(
+                helper.make_node("SimplifiedLayerNormalization", [x, gamma(f"{p}.n1")], [f"{p}.x1"], epsilon=1e-5)
+            )
             res = x
         else:
             nodes.append(
@@ -68,14 +87,22 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
             )
             res = f"{p}.r1"
         qkv = weight(f"{p}.qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD)
+        nodes.append(helper.make_node("MatMul", [f"{p}.x1", qkv], [f"{p}.qkv_out"]))
+        attention_in = [f"{p}.qkv_out", "", ""]
+        if gemma:
+            q, k, v = (f"{p}.{t}" for t in "qkv")
+            nodes.append(helper.make_node("Split", [f"{p}.qkv_out", "qkv_sizes"], [q, k, v], axis=-1))
+            for t, back in ((q, "q_back"), (k, "k_back")):
+                nodes.append(helper.make_node("Reshape", [t, "q_heads"], [f"{t}.heads"]))
+                normed = norm(f"{t}.heads", f"{t}_norm", HEAD)
+                nodes.append(helper.make_node("Reshape", [normed, back], [f"{t}.normed"]))
+            attention_in = [f"{q}.normed", f"{k}.normed", v]
+        local = {"local_window_size": 4} if gemma and i == 0 else {}
         nodes += [
-            helper.make_node("MatMul", [f"{p}.x1", qkv], [f"{p}.qkv_out"]),
             helper.make_node(
                 "GroupQueryAttention",
                 [
-                    f"{p}.qkv_out",
-                    "",
-                    "",
+                    *attention_in,
                     f"past.{i}.key",
                     f"past.{i}.value",
                     "seqlens_k",
@@ -90,23 +117,34 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
                 do_rotary=1,
                 rotary_interleaved=0,
                 scale=0.3,
+                **local,
             ),
             helper.make_node("MatMul", [f"{p}.att", weight(f"{p}.o", HEADS * HEAD, HIDDEN)], [f"{p}.o_out"]),
+        ]
+        attended = norm(f"{p}.o_out", f"{p}.post_attention") if gemma else f"{p}.o_out"
+        nodes += [
             helper.make_node(
                 "SkipSimplifiedLayerNormalization",
-                [res, f"{p}.o_out", gamma(f"{p}.n2")],
+                [res, attended, gamma(f"{p}.n2")],
                 [f"{p}.x2", "", "", f"{p}.r2"],
                 domain="com.microsoft",
                 epsilon=1e-5,
             ),
             helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.gate", HIDDEN, INTER)], [f"{p}.g"]),
             helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.up", HIDDEN, INTER)], [f"{p}.u"]),
-            helper.make_node("Sigmoid", [f"{p}.g"], [f"{p}.sg"]),
-            helper.make_node("Mul", [f"{p}.g", f"{p}.sg"], [f"{p}.act"]),
+        ]
+        if gemma:
+            nodes.append(helper.make_node("Gelu", [f"{p}.g"], [f"{p}.act"], approximate="tanh"))
+        else:
+            nodes += [
+                helper.make_node("Sigmoid", [f"{p}.g"], [f"{p}.sg"]),
+                helper.make_node("Mul", [f"{p}.g", f"{p}.sg"], [f"{p}.act"]),
+            ]
+        nodes += [
             helper.make_node("Mul", [f"{p}.act", f"{p}.u"], [f"{p}.m"]),
             helper.make_node("MatMul", [f"{p}.m", weight(f"{p}.down", INTER, HIDDEN)], [f"{p}.d"]),
         ]
-        x, skip = f"{p}.r2", f"{p}.d"
+        x, skip = f"{p}.r2", norm(f"{p}.d", f"{p}.post_feedforward") if gemma else f"{p}.d"
     nodes += [
         helper.make_node(
             "SkipSimplifiedLayerNormalization",
@@ -128,7 +166,7 @@ def genai_like(seed: int = 0) -> onnx.ModelProto:
          for i in range(LAYERS) for kv in ("key", "value")],
         inits,
     )  # fmt: skip
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", 20 if gemma else 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model

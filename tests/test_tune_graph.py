@@ -11,8 +11,10 @@ from cim_int4.graphs.genai_like import genai_feeds as feeds
 from cim_int4.graphs.genai_like import genai_like
 
 
-def test_forward_matches_onnx_runtime():
-    model = genai_like()
+@pytest.mark.parametrize("gemma", [False, True])
+def test_forward_matches_onnx_runtime(gemma):
+    """Gemma's first layer attends locally (4 tokens of 12): ORT's window and ours must agree."""
+    model = genai_like(gemma=gemma)
     f = feeds()
     expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["logits"], f)[0]
     got = Graph(model).forward(f)[0]["logits"]
@@ -26,9 +28,13 @@ def _kl(logits: np.ndarray, ref: np.ndarray) -> tuple[float, np.ndarray]:
     return float((p * (ref - lq)).sum()), np.exp(lq) - p
 
 
-@pytest.mark.parametrize("name", ["lm_head.weight", "l0.qkv", "l0.o", "l1.gate", "l1.up", "l1.down", "l0.n1", "final"])
-def test_gradients_match_finite_differences(name):
-    model = genai_like()
+NAMES = ["lm_head.weight", "l0.qkv", "l0.o", "l1.gate", "l1.up", "l1.down", "l0.n1", "final"]
+GEMMA = ["l0.qkv", "l1.qkv", "l0.q_norm", "l1.k_norm", "l0.post_attention", "l1.post_feedforward", "l1.gate", "l0.down"]
+
+
+@pytest.mark.parametrize(("gemma", "name"), [(False, n) for n in NAMES] + [(True, n) for n in GEMMA])
+def test_gradients_match_finite_differences(gemma, name):
+    model = genai_like(gemma=gemma)
     graph = Graph(model, np.float64)
     f = feeds()
     values, tape = graph.forward(f)

@@ -6,8 +6,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cim_int4.exporter import export_int4
+from cim_int4.exporter import ExportError, export_int4
+from cim_int4.exporter.api import export_with_summary
 from cim_int4.exporter.tune.scales import TuneOptions, _kl, _log_softmax, tune_scales
+from cim_int4.graphs import mlp
 from cim_int4.graphs.genai_like import genai_feeds, genai_like
 from cim_int4.ops.ort_model import proto_session
 from cim_int4.ops.session import session_options
@@ -40,11 +42,13 @@ def _held_kl(model: onnx.ModelProto, teacher, windows) -> float:
     return float(np.mean(kls))
 
 
-@pytest.mark.parametrize("scale_dtype", ["int8", "float16"])
-def test_trained_scales_bring_a_3_bit_export_closer_to_fp32(scale_dtype):
-    fp32 = genai_like()
+@pytest.mark.parametrize(("scale_dtype", "gemma"), [("int8", False), ("float16", False), ("int8", True)])
+def test_trained_scales_bring_a_3_bit_export_closer_to_fp32(scale_dtype, gemma):
+    fp32 = genai_like(gemma=gemma)
     exported = export_int4(fp32, bits=3, group_size=16, scale_dtype=scale_dtype, quiet=True)
     assert any(is_op_node(n, MATMUL_SHARED) for n in exported.graph.node), "the tied table should stay tied"
+    gated = [n for n in exported.graph.node if is_op_node(n) and any(a.name == "gated" for a in n.attribute)]
+    assert gated, "the gated MLPs should be fused (their gate runs in the twin as plain ONNX)"
     teacher = _teacher(fp32)
     windows = [genai_feeds(seq=48, seed=s) for s in range(16)]
     unseen = [genai_feeds(seq=48, seed=100 + s) for s in range(4)]
@@ -69,3 +73,53 @@ def test_too_few_windows_is_a_one_line_error():
     exported = export_int4(genai_like(), bits=4, group_size=16, quiet=True)
     with pytest.raises(ValueError, match="more than 1 calibration windows, got 1"):
         tune_scales(exported, [genai_feeds()], _teacher(genai_like()))
+
+
+def test_tune_epochs_export_option_trains_the_scales():
+    """export_int4(tune_epochs=...): the same codes as the plain export, scales closer to FP32 on unseen windows."""
+    fp32 = genai_like()
+    windows = [genai_feeds(seq=48, seed=s) for s in range(16)]
+    unseen = [genai_feeds(seq=48, seed=100 + s) for s in range(4)]
+    plain = export_int4(fp32, bits=3, group_size=16, quiet=True)
+    tuned, summary = export_with_summary(fp32, bits=3, group_size=16, tune_feeds=iter(windows), tune_epochs=4,
+                                         tune_lr=5e-3)  # fmt: skip
+    teacher = _teacher(fp32)
+    assert _codes(tuned) == _codes(plain)
+    assert _held_kl(tuned, teacher, unseen) < 0.95 * _held_kl(plain, teacher, unseen)
+    t = summary.tuning
+    assert (t.epochs, t.batches, t.held_out) == (4, 16, 1) and t.kl_after < 0.95 * t.kl_before
+    assert "scales tuned:" in summary.format() and "1 held-out batch(es)" in summary.format()
+
+
+def test_tune_epochs_from_the_command_line(tmp_path, capsys):
+    from test_cli import run_cli
+
+    src, npz, out = tmp_path / "m.onnx", tmp_path / "one.npz", tmp_path / "out.onnx"
+    onnx.save(genai_like(), src)
+    np.savez(npz, **genai_feeds(seq=32))
+    argv = ["export", str(src), "-o", str(out), "--bits", "3", "--group-size", "16", "--tune-feeds", str(npz)]
+    code, stdout, _ = run_cli([*argv, "--tune-epochs", "2", "--tune-lr", "5e-3"], capsys)
+    assert code == 0 and out.exists()
+    line = next(x for x in stdout.splitlines() if "scales tuned:" in x)
+    assert "2 epoch(s) over 1 batch(es)" in line and "none held out" in line
+    before, after = (float(v) for v in line.split(" -> ")[0].split()[-1:] + line.split(" -> ")[1].split()[:1])
+    assert after < before
+
+
+def test_tune_epochs_errors_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="tune_epochs needs calibration inputs"):
+        export_int4(genai_like(), tune_epochs=1, quiet=True)
+    with pytest.raises(ValueError, match="tune_epochs must be a non-negative integer"):
+        export_int4(genai_like(), tune_epochs=-1, feeds=genai_feeds(), quiet=True)
+    with pytest.raises(ValueError, match="tune_lr must be a positive finite number"):
+        export_int4(genai_like(), tune_epochs=1, tune_lr=float("nan"), feeds=genai_feeds(), quiet=True)
+    padded = genai_feeds()
+    padded["attention_mask"][0, :3] = 0
+    with pytest.raises(ExportError, match=r"^tune_epochs: GroupQueryAttention node '\S+': padded windows"):
+        export_int4(genai_like(), bits=3, tune_epochs=1, tune_feeds=[padded, genai_feeds()], quiet=True)
+    x = np.zeros((2, 256), np.float32)
+    out = tmp_path / "never.onnx"
+    # An op tuning does not run: named before the export starts, and nothing written
+    with pytest.raises(ExportError, match=r"^tune_epochs: node '\S+': op (Gemm|Relu|MatMul|Add)\b.* not one scale"):
+        export_int4(mlp(), out, tune_epochs=1, tune_feeds=[{"x": x}, {"x": x}], quiet=True)
+    assert not out.exists()

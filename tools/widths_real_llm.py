@@ -39,6 +39,10 @@ def _child(args: argparse.Namespace) -> None:
     options = json.loads(args.options)
     # "feeds": false exports without calibration inputs (a uniform width needs none)
     feeds = calibration_windows(folder, Path(args.calib), args.windows) if options.pop("feeds", True) else None
+    # "tune_windows": N trains the scales on the first N windows (exporter.tune); the method saw the first --windows
+    tune = options.pop("tune_windows", None)
+    if tune:
+        options["tune_feeds"] = calibration_windows(folder, Path(args.calib), tune)
     model = folder / json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"]
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -50,9 +54,10 @@ def _child(args: argparse.Namespace) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     fp32_bytes = sum(p.stat().st_size for p in folder.glob("model.onnx*"))
     bpw = model_bits_per_weight(out / model.name)
-    print(json.dumps({"variant": out.name, "options": options, "windows": args.windows, "seconds": seconds,
-                      "peak_rss": peak, "fp32_bytes": fp32_bytes, "peak_over_fp32": peak / fp32_bytes,
-                      "bits_per_weight": bpw}))  # fmt: skip
+    options.pop("tune_feeds", None)
+    print(json.dumps({"variant": out.name, "options": options, "windows": args.windows,
+                      "tune_windows": tune, "seconds": seconds, "peak_rss": peak, "fp32_bytes": fp32_bytes,
+                      "peak_over_fp32": peak / fp32_bytes, "bits_per_weight": bpw}))  # fmt: skip
 
 
 def model_bits_per_weight(path: Path) -> float:

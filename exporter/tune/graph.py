@@ -1,12 +1,13 @@
 """NumPy forward and backward of a decoder graph in plain ONNX (a dequantized twin), for training group scales.
 
-Scale tuning (docs/widths.md "Scale tuning") needs the gradient of a loss on the logits with respect
+Scale tuning (docs/methods.md "Scale tuning") needs the gradient of a loss on the logits with respect
 to every quantized weight; ONNX Runtime has no backward pass here and torch is no dependency. So
 this module runs the graph itself: one prompt window, an empty past, the ops of onnxruntime-genai's
-decoders (``GroupQueryAttention`` with its rotary, ``SkipSimplifiedLayerNormalization``) and the
-plain ops of the dequantized twin (MatMul, Gather, the gate's Slice / Sigmoid / Mul). Any other op
-is a one-line error naming the node. ``forward`` keeps what ``backward`` needs (a tape);
-``backward`` returns the gradients of the named initializers only.
+decoders (``GroupQueryAttention`` with its rotary, ``SkipSimplifiedLayerNormalization``; Gemma 3's
+Split, Reshape, tanh Gelu and local windows) and the plain ops of the dequantized twin (MatMul,
+Gather, the gate's Slice / Sigmoid / Mul). Any other op is a one-line error naming the node.
+``forward`` keeps what ``backward`` needs (a tape); ``backward`` returns the gradients of the named
+initializers only.
 
 Checked against ONNX Runtime's forward and against finite differences (tests/test_tune_graph.py).
 """
@@ -25,6 +26,11 @@ Array = np.ndarray
 
 def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _name(node: onnx.NodeProto) -> str:
+    """How errors name a node: its name, else its first output."""
+    return node.name or (node.output[0] if node.output else "")
 
 
 def _unbroadcast(g: Array, shape: tuple[int, ...]) -> Array:
@@ -57,6 +63,7 @@ class _Attention:
     scale: float
     heads: int
     kv_heads: int
+    packed: bool
 
 
 def _rotate(x: Array, cos: Array, sin: Array) -> Array:
@@ -70,42 +77,52 @@ def _unrotate(g: Array, cos: Array, sin: Array) -> Array:
 
 
 def _gqa(node: onnx.NodeProto, x: list[Array | None]) -> tuple[Array, _Attention]:
-    """GroupQueryAttention on packed QKV, empty past, causal, rotary (half split) when ``do_rotary``."""
+    """GroupQueryAttention, packed QKV or separate, empty past, causal (and local), rotary (half split) when asked."""
     a = _attrs(node)
-    where = f"GroupQueryAttention node '{node.name}'"
-    if x[1] is not None or x[2] is not None:
-        raise ValueError(f"{where}: separate key/value inputs; scale tuning reads packed QKV only")
+    where = f"GroupQueryAttention node '{_name(node)}'"
+    if (x[1] is None) != (x[2] is None):
+        raise ValueError(f"{where}: a key input without a value input or the reverse")
     if x[3] is not None and x[3].shape[2] != 0:
         raise ValueError(f"{where}: a past of {x[3].shape[2]} tokens; scale tuning runs one window from an empty past")
-    if a.get("rotary_interleaved") or a.get("softcap", 0.0) or a.get("local_window_size", -1) != -1:
-        raise ValueError(f"{where}: interleaved rotary, softcap or a local window; scale tuning supports none of them")
+    if a.get("rotary_interleaved") or a.get("softcap", 0.0):
+        raise ValueError(f"{where}: interleaved rotary or a softcap; scale tuning supports neither")
     if a.get("smooth_softmax") or any(t is not None for t in x[9:]):
         raise ValueError(f"{where}: smooth softmax or position ids / attention bias inputs; scale tuning has none")
-    qkv = x[0]
-    batch, seq, width = qkv.shape
+    batch, seq, width = x[0].shape
     if np.any(np.asarray(x[5]) != seq - 1) or int(np.asarray(x[6]).reshape(-1)[0]) != seq:
         raise ValueError(f"{where}: padded windows (an attention mask with zeros); scale tuning takes full windows")
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
-    hd = width // (heads + 2 * kv_heads)
-    split = lambda lo, n: qkv[..., lo * hd : (lo + n) * hd].reshape(batch, seq, n, hd).transpose(0, 2, 1, 3)  # noqa: E731
-    q, k, v = split(0, heads), split(heads, kv_heads), split(heads + kv_heads, kv_heads)
-    cos = sin = np.zeros(0, qkv.dtype)
+    packed = x[1] is None
+    hd = width // (heads + 2 * kv_heads) if packed else width // heads
+    heads_of = lambda t, n: t.reshape(batch, seq, n, hd).transpose(0, 2, 1, 3)  # noqa: E731
+    if packed:
+        qkv = x[0]
+        split = lambda lo, n: heads_of(qkv[..., lo * hd : (lo + n) * hd], n)  # noqa: E731
+        q, k, v = split(0, heads), split(heads, kv_heads), split(heads + kv_heads, kv_heads)
+    else:
+        q, k, v = heads_of(x[0], heads), heads_of(x[1], kv_heads), heads_of(x[2], kv_heads)
+    cos = sin = np.zeros(0, q.dtype)
     if a.get("do_rotary"):
-        cos, sin = (np.asarray(t[:seq], qkv.dtype)[None, None] for t in (x[7], x[8]))
+        cos, sin = (np.asarray(t[:seq], q.dtype)[None, None] for t in (x[7], x[8]))
         if cos.shape[-1] != hd // 2 or cos.shape[2] != seq:
             raise ValueError(f"{where}: rotary caches {x[7].shape}, expected >= {seq} rows of {hd // 2} (full rotary)")
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     rep = heads // kv_heads
     k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
     scale = float(a.get("scale") or 0.0) or 1 / np.sqrt(hd)
-    s = q @ k.transpose(0, 1, 3, 2) * scale + np.triu(np.full((seq, seq), -np.inf, qkv.dtype), 1)
+    mask = np.triu(np.full((seq, seq), -np.inf, q.dtype), 1)
+    window = int(a.get("local_window_size", -1))
+    if window > 0:  # as ONNX Runtime's CPU kernel (measured): query i sees the ``window`` keys i - window + 1 .. i
+        mask += np.tril(np.full((seq, seq), -np.inf, q.dtype), -window)
+    s = q @ k.transpose(0, 1, 3, 2) * scale + mask
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     out = (p @ v).transpose(0, 2, 1, 3).reshape(batch, seq, heads * hd)
-    return out, _Attention(q, k, v, p, cos, sin, scale, heads, kv_heads)
+    return out, _Attention(q, k, v, p, cos, sin, scale, heads, kv_heads, packed)
 
 
-def _gqa_back(do: Array, c: _Attention) -> Array:
+def _gqa_back(do: Array, c: _Attention) -> list[Array]:
+    """Gradients of GroupQueryAttention's inputs: [packed QKV] or [query, key, value]."""
     batch, heads, seq, hd = c.q.shape
     rep = heads // c.kv_heads
     do = do.reshape(batch, seq, heads, hd).transpose(0, 2, 1, 3)
@@ -118,7 +135,8 @@ def _gqa_back(do: Array, c: _Attention) -> Array:
     if c.cos.size:
         dq, dk = _unrotate(dq, c.cos, c.sin), _unrotate(dk, c.cos, c.sin)
     pack = lambda t, n: t.transpose(0, 2, 1, 3).reshape(batch, seq, n * hd)  # noqa: E731
-    return np.concatenate([pack(dq, heads), pack(dk, c.kv_heads), pack(dv, c.kv_heads)], -1)
+    grads = [pack(dq, heads), pack(dk, c.kv_heads), pack(dv, c.kv_heads)]
+    return [np.concatenate(grads, -1)] if c.packed else grads
 
 
 def _slice(x: Array, starts: Array, ends: Array, axes: Array | None) -> tuple[Array, tuple[slice, ...]]:
@@ -141,8 +159,33 @@ class _Step:
 _NO_GRAD = {"Cast", "Shape", "ReduceSum", "Constant"}
 SUPPORTED = (
     "MatMul", "Gather", "Transpose", "Sigmoid", "Mul", "Add", "Sub", "Slice", "Cast", "Shape", "ReduceSum",
-    "Constant", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "GroupQueryAttention",
+    "Constant", "Reshape", "Split", "Gelu", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+    "GroupQueryAttention",
 )  # fmt: skip
+_GELU = np.sqrt(2 / np.pi)
+
+
+def _gelu_tanh(x: Array) -> tuple[Array, Array]:
+    """Gelu with the tanh approximation, and its derivative at ``x``."""
+    u = _GELU * (x + 0.044715 * x**3)
+    t = np.tanh(u)
+    dt = (1 - t * t) * _GELU * (1 + 3 * 0.044715 * x * x)
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * dt
+
+
+def _reshape(node: onnx.NodeProto, x: Array, shape: Array) -> Array:
+    dims = [int(d) for d in shape]
+    if int(_attrs(node).get("allowzero", 0)):
+        raise ValueError(f"Reshape node '{_name(node)}': allowzero=1; scale tuning takes 0 as 'keep this dimension'")
+    return x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(dims)])
+
+
+def check_ops(nodes: Iterable[onnx.NodeProto]) -> None:
+    """Raise ValueError naming the first node whose op scale tuning does not run (attributes are checked as it runs)."""
+    for node in nodes:
+        if node.op_type not in SUPPORTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
+            runs = ", ".join(SUPPORTED)
+            raise ValueError(f"node '{_name(node)}': op {node.op_type} is not one scale tuning runs ({runs})")
 
 
 class Graph:
@@ -154,10 +197,7 @@ class Graph:
             kept = onnx.NodeProto()
             kept.CopyFrom(node)
             self.nodes.append(kept)
-        for node in self.nodes:
-            if node.op_type not in SUPPORTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
-                runs = ", ".join(SUPPORTED)
-                raise ValueError(f"node '{node.name}': op {node.op_type} is not one scale tuning runs ({runs})")
+        check_ops(self.nodes)
         self.dtype = dtype
         self.constants: dict[str, Array] = {}
         for t in model.graph.initializer:
@@ -191,7 +231,7 @@ class Graph:
         if op == "Gather":
             if int(a.get("axis", 0)) != 0 and np.issubdtype(x[0].dtype, np.floating):
                 raise ValueError(
-                    f"Gather node '{node.name}': axis {a['axis']} of a float table; scale tuning takes rows"
+                    f"Gather node '{_name(node)}': axis {a['axis']} of a float table; scale tuning takes rows"
                 )
             return [np.take(x[0], x[1], axis=int(a.get("axis", 0)))], None
         if op == "Transpose":
@@ -203,9 +243,22 @@ class Graph:
             return [f(x[0], x[1])], None
         if op == "Slice":
             if len(x) > 4 and x[4] is not None and np.any(np.asarray(x[4]) != 1):
-                raise ValueError(f"Slice node '{node.name}': steps {x[4].tolist()}; scale tuning takes step 1 only")
+                raise ValueError(f"Slice node '{_name(node)}': steps {x[4].tolist()}; scale tuning takes step 1 only")
             y, index = _slice(x[0], x[1], x[2], x[3] if len(x) > 3 else None)
             return [y], index
+        if op == "Reshape":
+            return [_reshape(node, x[0], x[1])], None
+        if op == "Split":
+            axis = int(a.get("axis", 0))
+            sizes = x[1] if len(x) > 1 and x[1] is not None else a.get("split")
+            if sizes is None:  # equal parts (num_outputs, or as many as there are outputs)
+                sizes = [x[0].shape[axis] // len(node.output)] * len(node.output)
+            return np.split(x[0], np.cumsum([int(v) for v in sizes])[:-1], axis=axis), None
+        if op == "Gelu":
+            if a.get("approximate", b"none") not in (b"tanh", "tanh"):
+                raise ValueError(f"Gelu node '{_name(node)}': the exact (erf) form; scale tuning runs the tanh one")
+            y, dy = _gelu_tanh(x[0])
+            return [y], dy
         if op == "Cast":
             return [x[0].astype(helper.tensor_dtype_to_np_dtype(a["to"]))], None
         if op == "Shape":
@@ -243,7 +296,7 @@ class Graph:
             if op == "Cast" and np.issubdtype(x[0].dtype, np.floating):
                 add(node.input[0], d.astype(x[0].dtype))
             elif op in _NO_GRAD:
-                raise ValueError(f"{op} node '{node.name}': on the path from the weights to the loss, with no backward")
+                raise ValueError(f"{op} node '{_name(node)}': on the path from the weights to the loss, no backward")
             elif op == "MatMul":
                 add(node.input[0], d @ np.swapaxes(x[1], -1, -2))
                 if node.input[1] in wanted or node.input[1] not in self.constants:
@@ -260,6 +313,13 @@ class Graph:
                 add(node.input[0], np.transpose(d, np.argsort(perm)))
             elif op == "Sigmoid":
                 add(node.input[0], d * step.outputs[0] * (1 - step.outputs[0]))
+            elif op == "Gelu":
+                add(node.input[0], d * step.saved)
+            elif op == "Reshape":
+                add(node.input[0], d.reshape(x[0].shape))
+            elif op == "Split":
+                parts = [dy[i] if dy[i] is not None else np.zeros_like(o) for i, o in enumerate(step.outputs)]
+                add(node.input[0], np.concatenate(parts, axis=int(_attrs(node).get("axis", 0))))
             elif op == "Mul":
                 add(node.input[0], _unbroadcast(d * x[1], x[0].shape))
                 add(node.input[1], _unbroadcast(d * x[0], x[1].shape))
@@ -286,5 +346,6 @@ class Graph:
                     if i < len(x) and x[i] is not None:
                         add(node.input[i], _unbroadcast(np.asarray(ds), x[i].shape))
             elif op == "GroupQueryAttention":
-                add(node.input[0], _gqa_back(d, step.saved))
+                for name, grad in zip(node.input, _gqa_back(d, step.saved), strict=False):
+                    add(name, grad)
         return {name: g[name] for name in wanted if name in g}

@@ -28,12 +28,15 @@ Feeds = dict[str, np.ndarray]
 Teacher = Callable[[Feeds], np.ndarray]
 
 
+DEFAULT_LR = 2e-3  # Adam's first step on the log-scales (SmolLM2: docs/methods.md "Scale tuning")
+
+
 @dataclass(frozen=True)
 class TuneOptions:
     """How scales are trained: passes over the training windows, Adam's step (cosine to 0), windows held out."""
 
     epochs: int = 4
-    lr: float = 2e-3
+    lr: float = DEFAULT_LR
     held_out: int = 1
     logits: str = "logits"
 
@@ -126,18 +129,19 @@ def tune_scales(
 ) -> TuneResult:
     """Train ``exported``'s scales (in place) on ``windows``; ``teacher(feeds)`` gives FP32's logits of a window.
 
-    ``log`` gets a line per epoch (training and held-out KL per token).
+    ``log`` gets a line per epoch (training and held-out KL per token). The last ``options.held_out`` windows
+    are held out; with none, the KL reported before and after is the training windows'.
     """
     if len(windows) <= options.held_out:
         raise ValueError(f"scale tuning needs more than {options.held_out} calibration windows, got {len(windows)}")
     start = time.perf_counter()
     model = _Twin(exported)
     train, held = windows[: len(windows) - options.held_out], windows[len(windows) - options.held_out :]
+    held = held or train  # none held out: the KL reported is the training windows'
     teacher_lp = {id(w): _log_softmax(np.asarray(teacher(w), np.float64)) for w in held}
 
     def held_kl() -> float:
-        kls = [model.loss(w, teacher_lp[id(w)], options.logits, False)[0] for w in held]
-        return float(np.mean(kls)) if kls else 0.0
+        return float(np.mean([model.loss(w, teacher_lp[id(w)], options.logits, False)[0] for w in held]))
 
     before = held_kl()
     adam = _Adam([t.shape for t in model.theta], options.lr, options.epochs * len(train))

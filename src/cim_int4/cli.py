@@ -219,6 +219,22 @@ def _add_widths(p: argparse.ArgumentParser) -> None:
         "the weights: the same model, which GPTQ quantizes better (needs --method gptq or awq+gptq, and --feeds; "
         "docs/widths.md 'Rotation')",
     )
+    p.add_argument(
+        "--tune-epochs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the export, train the group scales (codes fixed) for N passes over the calibration batches so "
+        "the first output's softmax (an LLM's logits) comes back to FP32's; no byte more (docs/methods.md "
+        "'Scale tuning'; default 0: none)",
+    )
+    p.add_argument("--tune-lr", type=float, default=None, metavar="LR", help="Adam's step for --tune-epochs (2e-3)")
+    p.add_argument(
+        "--tune-feeds",
+        default=None,
+        metavar="DATA.npz",
+        help="calibration inputs for --tune-epochs (default --feeds)",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
