@@ -299,14 +299,15 @@ def _export(
         raise ValueError("bits='auto' needs calibration inputs: pass feeds= (an .npz, a dict or an iterable)")
     teacher = None
     if options.tune_epochs:  # the FP32 model before the rewrite, which may take it apart in place
+        if int4_nodes:
+            raise ExportError(f"tune_epochs: the model already has {len(int4_nodes)} INT4 node(s) ({int4_nodes[0]}); "
+                              "scale tuning needs the FP32 model")  # fmt: skip
         options, teacher = _teacher(model, options)
     if options.feeds is None:
         quantized, summary = rewrite_model(model, options, tensors=tensors)
     else:
         with bounded_heap():
             quantized, summary = export_mixed(model, options, owned=owned or tensors is not None, tensors=tensors)
-    if teacher is not None and summary.rewritten:
-        summary.tuning = teacher.tune(quantized, options.tune_epochs, options.tune_lr)
     if note:
         summary.warnings.insert(0, note)
     if rotation is not None:
@@ -321,6 +322,11 @@ def _export(
                 f"gives {least.cosine_alone:.6f}; lower --target-cosine or check the calibration inputs"
             )
         raise NothingToQuantize(summary, int4_nodes)
+    if teacher is not None:
+        try:
+            summary.tuning = teacher.tune(quantized, options.tune_epochs, options.tune_lr)
+        except ValueError as e:  # what the first window's check could not see (another window's shapes)
+            raise ExportError(f"tune_epochs: {e}") from None
     quantized.ir_version = min(quantized.ir_version, max_ir_version())
     return quantized, summary
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
@@ -154,12 +155,16 @@ class ExportOptions:
                 f"{self.method!r}{'' if self.feeds is not None else ', no feeds'}): rounded to nearest, rotated "
                 "weights lose far more (docs/widths.md, 'Rotation')"
             )
-        if not (isinstance(self.tune_epochs, int) and self.tune_epochs >= 0):
+        if isinstance(self.tune_epochs, bool) or not (isinstance(self.tune_epochs, Integral) and self.tune_epochs >= 0):
             raise ValueError(f"tune_epochs must be a non-negative integer, got {self.tune_epochs!r}")
-        if not (isinstance(self.tune_lr, (int, float)) and self.tune_lr > 0 and np.isfinite(self.tune_lr)):
+        object.__setattr__(self, "tune_epochs", int(self.tune_epochs))
+        lr = self.tune_lr
+        if isinstance(lr, bool) or not (isinstance(lr, Real) and lr > 0 and np.isfinite(lr)):
             raise ValueError(f"tune_lr must be a positive finite number, got {self.tune_lr!r}")
         if self.tune_epochs and self.feeds is None and self.tune_feeds is None:
             raise ValueError("tune_epochs needs calibration inputs: pass feeds= or tune_feeds= (an .npz or batches)")
+        if self.tune_feeds is not None and not self.tune_epochs:
+            raise ValueError("tune_feeds is only read by scale tuning: pass tune_epochs >= 1 with it")
         if self.bits_budget is not None:
             if self.bits != AUTO:
                 raise ValueError(f"bits_budget needs bits='auto' (got bits={self.bits!r})")

@@ -155,13 +155,13 @@ def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
         ),
         helper.make_node("MatMul", ["xf", head], ["logits"]),
     ]
-    past = [helper.make_tensor_value_info(f"past.{i}.{kv}", TensorProto.FLOAT, [1, KV_HEADS, "past", HEAD])
+    past = [helper.make_tensor_value_info(f"past.{i}.{kv}", TensorProto.FLOAT, ["batch", KV_HEADS, "past", HEAD])
             for i in range(LAYERS) for kv in ("key", "value")]  # fmt: skip
     graph = helper.make_graph(
         nodes, "genai_like",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"]),
-         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "seq"]), *past],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", VOCAB])] +
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]), *past],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])] +
         [helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT, None)
          for i in range(LAYERS) for kv in ("key", "value")],
         inits,

@@ -74,3 +74,28 @@ def test_a_reduction_on_the_gradient_path_is_a_one_line_error():
     values, tape = graph.forward(feeds())
     with pytest.raises(ValueError, match="ReduceSum node 'sum': on the path from the weights to the loss"):
         graph.backward(tape, {"logits": np.ones_like(values["logits"])}, ["l0.qkv"])
+
+
+def test_split_and_reshape_follow_onnx():
+    """Split into equal parts (ceil, last smaller) and by sizes; Reshape's 0 and -1; a bad split names the node."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 7])
+    nodes = [
+        helper.make_node("Split", ["x"], ["a", "b", "c"], axis=1, num_outputs=3),
+        helper.make_node("Split", ["x", "sizes"], ["d", "e"], axis=1),
+        helper.make_node("Reshape", ["x", "shape"], ["f"]),
+    ]
+    inits = [onnx.numpy_helper.from_array(np.array([2, 5], np.int64), "sizes"),
+             onnx.numpy_helper.from_array(np.array([0, -1, 7], np.int64), "shape")]  # fmt: skip
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcdef"]
+    graph = helper.make_graph(nodes, "g", [x], outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    f = {"x": np.arange(14, dtype=np.float32).reshape(2, 7)}
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)
+    got = Graph(model).forward(f)[0]
+    for name, e in zip("abcdef", expected, strict=True):
+        np.testing.assert_array_equal(got[name], e)
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.array([2, 4], np.int64), "sizes"))
+    with pytest.raises(ValueError, match=r"Split node 'd': parts \[2, 4\] of 7 into 2 outputs"):
+        Graph(model).forward(f)

@@ -88,22 +88,24 @@ def test_tune_epochs_export_option_trains_the_scales():
     assert _held_kl(tuned, teacher, unseen) < 0.95 * _held_kl(plain, teacher, unseen)
     t = summary.tuning
     assert (t.epochs, t.batches, t.held_out) == (4, 16, 1) and t.kl_after < 0.95 * t.kl_before
-    assert "scales tuned:" in summary.format() and "1 held-out batch(es)" in summary.format()
+    assert "scales tuned:" in summary.format() and "1 held-out window(s)" in summary.format()
 
 
 def test_tune_epochs_from_the_command_line(tmp_path, capsys):
+    """An .npz of 16 rows is 16 windows (one held out); float16 scales, so the KL moves by more than re-rounding."""
     from test_cli import run_cli
 
-    src, npz, out = tmp_path / "m.onnx", tmp_path / "one.npz", tmp_path / "out.onnx"
+    src, npz, out = tmp_path / "m.onnx", tmp_path / "rows.npz", tmp_path / "out.onnx"
     onnx.save(genai_like(), src)
-    np.savez(npz, **genai_feeds(seq=32))
-    argv = ["export", str(src), "-o", str(out), "--bits", "3", "--group-size", "16", "--tune-feeds", str(npz)]
-    code, stdout, _ = run_cli([*argv, "--tune-epochs", "2", "--tune-lr", "5e-3"], capsys)
+    rows = [genai_feeds(seq=32, seed=s) for s in range(16)]
+    np.savez(npz, **{k: np.concatenate([r[k] for r in rows]) for k in rows[0]})
+    argv = ["export", str(src), "-o", str(out), "--bits", "3", "--group-size", "16", "--scale-dtype", "float16"]
+    code, stdout, _ = run_cli([*argv, "--tune-feeds", str(npz), "--tune-epochs", "4", "--tune-lr", "5e-3"], capsys)
     assert code == 0 and out.exists()
     line = next(x for x in stdout.splitlines() if "scales tuned:" in x)
-    assert "2 epoch(s) over 1 batch(es)" in line and "none held out" in line
+    assert "4 epoch(s) over 15 window(s)" in line and "1 held-out window(s)" in line
     before, after = (float(v) for v in line.split(" -> ")[0].split()[-1:] + line.split(" -> ")[1].split()[:1])
-    assert after < before
+    assert after < 0.97 * before
 
 
 def test_tune_epochs_errors_are_one_line(tmp_path):
@@ -115,11 +117,20 @@ def test_tune_epochs_errors_are_one_line(tmp_path):
         export_int4(genai_like(), tune_epochs=1, tune_lr=float("nan"), feeds=genai_feeds(), quiet=True)
     padded = genai_feeds()
     padded["attention_mask"][0, :3] = 0
-    with pytest.raises(ExportError, match=r"^tune_epochs: GroupQueryAttention node '\S+': padded windows"):
+    with pytest.raises(ExportError, match=r"^tune_epochs: window 0: attention_mask has zeros"):
         export_int4(genai_like(), bits=3, tune_epochs=1, tune_feeds=[padded, genai_feeds()], quiet=True)
+    with pytest.raises(ExportError, match=r"^tune_epochs: window 1: attention_mask has zeros"):
+        export_int4(genai_like(), bits=3, tune_epochs=1, tune_feeds=[genai_feeds(), padded], quiet=True)
+    with pytest.raises(ValueError, match="tune_epochs must be a non-negative integer, got True"):
+        export_int4(genai_like(), tune_epochs=True, feeds=genai_feeds(), quiet=True)
+    with pytest.raises(ValueError, match="tune_feeds is only read by scale tuning"):
+        export_int4(genai_like(), tune_feeds=genai_feeds(), quiet=True)
+    int4 = export_int4(genai_like(), quiet=True)
+    with pytest.raises(ExportError, match=r"^tune_epochs: the model already has \d+ INT4 node"):
+        export_int4(int4, tune_epochs=1, tune_feeds=[genai_feeds(), genai_feeds(seed=2)], quiet=True)
     x = np.zeros((2, 256), np.float32)
     out = tmp_path / "never.onnx"
     # An op tuning does not run: named before the export starts, and nothing written
-    with pytest.raises(ExportError, match=r"^tune_epochs: node '\S+': op (Gemm|Relu|MatMul|Add)\b.* not one scale"):
+    with pytest.raises(ExportError, match=r"^tune_epochs: node '\S+': op (Gemm|Relu)\b.* not one scale"):
         export_int4(mlp(), out, tune_epochs=1, tune_feeds=[{"x": x}, {"x": x}], quiet=True)
     assert not out.exists()

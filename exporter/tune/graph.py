@@ -28,6 +28,10 @@ def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+class GraphError(ValueError):
+    """What the NumPy decoder cannot run, in one line naming the node."""
+
+
 def _name(node: onnx.NodeProto) -> str:
     """How errors name a node: its name, else its first output."""
     return node.name or (node.output[0] if node.output else "")
@@ -81,16 +85,16 @@ def _gqa(node: onnx.NodeProto, x: list[Array | None]) -> tuple[Array, _Attention
     a = _attrs(node)
     where = f"GroupQueryAttention node '{_name(node)}'"
     if (x[1] is None) != (x[2] is None):
-        raise ValueError(f"{where}: a key input without a value input or the reverse")
+        raise GraphError(f"{where}: a key input without a value input or the reverse")
     if x[3] is not None and x[3].shape[2] != 0:
-        raise ValueError(f"{where}: a past of {x[3].shape[2]} tokens; scale tuning runs one window from an empty past")
+        raise GraphError(f"{where}: a past of {x[3].shape[2]} tokens; scale tuning runs one window from an empty past")
     if a.get("rotary_interleaved") or a.get("softcap", 0.0):
-        raise ValueError(f"{where}: interleaved rotary or a softcap; scale tuning supports neither")
+        raise GraphError(f"{where}: interleaved rotary or a softcap; scale tuning supports neither")
     if a.get("smooth_softmax") or any(t is not None for t in x[9:]):
-        raise ValueError(f"{where}: smooth softmax or position ids / attention bias inputs; scale tuning has none")
+        raise GraphError(f"{where}: smooth softmax or position ids / attention bias inputs; scale tuning has none")
     batch, seq, width = x[0].shape
     if np.any(np.asarray(x[5]) != seq - 1) or int(np.asarray(x[6]).reshape(-1)[0]) != seq:
-        raise ValueError(f"{where}: padded windows (an attention mask with zeros); scale tuning takes full windows")
+        raise GraphError(f"{where}: padded windows (an attention mask with zeros); scale tuning takes full windows")
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
     packed = x[1] is None
     hd = width // (heads + 2 * kv_heads) if packed else width // heads
@@ -105,7 +109,7 @@ def _gqa(node: onnx.NodeProto, x: list[Array | None]) -> tuple[Array, _Attention
     if a.get("do_rotary"):
         cos, sin = (np.asarray(t[:seq], q.dtype)[None, None] for t in (x[7], x[8]))
         if cos.shape[-1] != hd // 2 or cos.shape[2] != seq:
-            raise ValueError(f"{where}: rotary caches {x[7].shape}, expected >= {seq} rows of {hd // 2} (full rotary)")
+            raise GraphError(f"{where}: rotary caches {x[7].shape}, expected >= {seq} rows of {hd // 2} (full rotary)")
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     rep = heads // kv_heads
     k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
@@ -175,8 +179,8 @@ def _gelu_tanh(x: Array) -> tuple[Array, Array]:
 
 def _reshape(node: onnx.NodeProto, x: Array, shape: Array) -> Array:
     dims = [int(d) for d in shape]
-    if int(_attrs(node).get("allowzero", 0)):
-        raise ValueError(f"Reshape node '{_name(node)}': allowzero=1; scale tuning takes 0 as 'keep this dimension'")
+    if int(_attrs(node).get("allowzero", 0)) and 0 in dims:
+        raise GraphError(f"Reshape node '{_name(node)}': allowzero=1; scale tuning takes 0 as 'keep this dimension'")
     return x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(dims)])
 
 
@@ -185,7 +189,7 @@ def check_ops(nodes: Iterable[onnx.NodeProto]) -> None:
     for node in nodes:
         if node.op_type not in SUPPORTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
             runs = ", ".join(SUPPORTED)
-            raise ValueError(f"node '{_name(node)}': op {node.op_type} is not one scale tuning runs ({runs})")
+            raise GraphError(f"node '{_name(node)}': op {node.op_type} is not one scale tuning runs ({runs})")
 
 
 class Graph:
@@ -216,8 +220,13 @@ class Graph:
         for node in self.nodes:
             if node.op_type == "Constant":
                 continue
-            x = [values[n] if n else None for n in node.input]
-            outs, saved = self._run(node, x)
+            try:
+                x = [values[n] if n else None for n in node.input]
+                outs, saved = self._run(node, x)
+            except GraphError:
+                raise
+            except (ValueError, IndexError, KeyError, TypeError) as e:  # shapes NumPy refuses, a missing input
+                raise GraphError(f"{node.op_type} node '{_name(node)}': {type(e).__name__}: {e}") from None
             for name, value in zip(node.output, outs, strict=False):
                 if name:
                     values[name] = value
@@ -230,7 +239,7 @@ class Graph:
             return [x[0] @ x[1]], None
         if op == "Gather":
             if int(a.get("axis", 0)) != 0 and np.issubdtype(x[0].dtype, np.floating):
-                raise ValueError(
+                raise GraphError(
                     f"Gather node '{_name(node)}': axis {a['axis']} of a float table; scale tuning takes rows"
                 )
             return [np.take(x[0], x[1], axis=int(a.get("axis", 0)))], None
@@ -243,20 +252,24 @@ class Graph:
             return [f(x[0], x[1])], None
         if op == "Slice":
             if len(x) > 4 and x[4] is not None and np.any(np.asarray(x[4]) != 1):
-                raise ValueError(f"Slice node '{_name(node)}': steps {x[4].tolist()}; scale tuning takes step 1 only")
+                raise GraphError(f"Slice node '{_name(node)}': steps {x[4].tolist()}; scale tuning takes step 1 only")
             y, index = _slice(x[0], x[1], x[2], x[3] if len(x) > 3 else None)
             return [y], index
         if op == "Reshape":
             return [_reshape(node, x[0], x[1])], None
         if op == "Split":
-            axis = int(a.get("axis", 0))
+            axis, n, dim = int(a.get("axis", 0)), len(node.output), x[0].shape[int(a.get("axis", 0))]
             sizes = x[1] if len(x) > 1 and x[1] is not None else a.get("split")
-            if sizes is None:  # equal parts (num_outputs, or as many as there are outputs)
-                sizes = [x[0].shape[axis] // len(node.output)] * len(node.output)
-            return np.split(x[0], np.cumsum([int(v) for v in sizes])[:-1], axis=axis), None
+            if sizes is None:  # as ONNX: parts of ceil(dim / n), the last one smaller
+                part = -(-dim // n)
+                sizes = [part] * (n - 1) + [dim - part * (n - 1)]
+            sizes = [int(v) for v in sizes]
+            if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
+                raise GraphError(f"Split node '{_name(node)}': parts {sizes} of {dim} into {n} outputs")
+            return np.split(x[0], np.cumsum(sizes)[:-1], axis=axis), None
         if op == "Gelu":
             if a.get("approximate", b"none") not in (b"tanh", "tanh"):
-                raise ValueError(f"Gelu node '{_name(node)}': the exact (erf) form; scale tuning runs the tanh one")
+                raise GraphError(f"Gelu node '{_name(node)}': the exact (erf) form; scale tuning runs the tanh one")
             y, dy = _gelu_tanh(x[0])
             return [y], dy
         if op == "Cast":
@@ -296,7 +309,7 @@ class Graph:
             if op == "Cast" and np.issubdtype(x[0].dtype, np.floating):
                 add(node.input[0], d.astype(x[0].dtype))
             elif op in _NO_GRAD:
-                raise ValueError(f"{op} node '{_name(node)}': on the path from the weights to the loss, no backward")
+                raise GraphError(f"{op} node '{_name(node)}': on the path from the weights to the loss, no backward")
             elif op == "MatMul":
                 add(node.input[0], d @ np.swapaxes(x[1], -1, -2))
                 if node.input[1] in wanted or node.input[1] not in self.constants:

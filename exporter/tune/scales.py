@@ -162,6 +162,7 @@ def tune_scales(
             )
     params = sum(t.size for t in model.theta)
     _write_back(exported, model.params, model.scales())
+    del model  # one twin at a time
     model = _Twin(exported)  # held-out KL of the scales as stored (int8 ones re-rounded under new super-scales)
     return TuneResult(before, held_kl(), time.perf_counter() - start, params)
 
