@@ -34,6 +34,12 @@ def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
     def gamma(name: str, size: int = HIDDEN) -> str:
         return init(name, (1 + 0.1 * rng.normal(size=size)).astype(np.float32))
 
+    def skip_norm(x: str, skip: str, name: str, out: str, residual: str) -> None:
+        """SkipSimplifiedLayerNormalization: ``out`` = norm(x + skip) * gamma ``name``, ``residual`` = x + skip."""
+        inputs = [x, skip, gamma(name)]
+        nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", inputs, [out, "", "", residual],
+                                      domain="com.microsoft", epsilon=1e-5))  # fmt: skip
+
     def norm(x: str, name: str, size: int = HIDDEN) -> str:
         node = helper.make_node("SimplifiedLayerNormalization", [x, gamma(name, size)], [f"{name}.y"], epsilon=1e-6)
         nodes.append(node)
@@ -76,15 +82,7 @@ def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
             )
             res = x
         else:
-            nodes.append(
-                helper.make_node(
-                    "SkipSimplifiedLayerNormalization",
-                    [x, skip, gamma(f"{p}.n1")],
-                    [f"{p}.x1", "", "", f"{p}.r1"],
-                    domain="com.microsoft",
-                    epsilon=1e-5,
-                )
-            )
+            skip_norm(x, skip, f"{p}.n1", f"{p}.x1", f"{p}.r1")
             res = f"{p}.r1"
         qkv = weight(f"{p}.qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD)
         nodes.append(helper.make_node("MatMul", [f"{p}.x1", qkv], [f"{p}.qkv_out"]))
@@ -122,14 +120,8 @@ def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
             helper.make_node("MatMul", [f"{p}.att", weight(f"{p}.o", HEADS * HEAD, HIDDEN)], [f"{p}.o_out"]),
         ]
         attended = norm(f"{p}.o_out", f"{p}.post_attention") if gemma else f"{p}.o_out"
+        skip_norm(res, attended, f"{p}.n2", f"{p}.x2", f"{p}.r2")
         nodes += [
-            helper.make_node(
-                "SkipSimplifiedLayerNormalization",
-                [res, attended, gamma(f"{p}.n2")],
-                [f"{p}.x2", "", "", f"{p}.r2"],
-                domain="com.microsoft",
-                epsilon=1e-5,
-            ),
             helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.gate", HIDDEN, INTER)], [f"{p}.g"]),
             helper.make_node("MatMul", [f"{p}.x2", weight(f"{p}.up", HIDDEN, INTER)], [f"{p}.u"]),
         ]
@@ -145,16 +137,8 @@ def genai_like(seed: int = 0, gemma: bool = False) -> onnx.ModelProto:
             helper.make_node("MatMul", [f"{p}.m", weight(f"{p}.down", INTER, HIDDEN)], [f"{p}.d"]),
         ]
         x, skip = f"{p}.r2", norm(f"{p}.d", f"{p}.post_feedforward") if gemma else f"{p}.d"
-    nodes += [
-        helper.make_node(
-            "SkipSimplifiedLayerNormalization",
-            [x, skip, gamma("final")],
-            ["xf", "", "", "rf"],
-            domain="com.microsoft",
-            epsilon=1e-5,
-        ),
-        helper.make_node("MatMul", ["xf", head], ["logits"]),
-    ]
+    skip_norm(x, skip, "final", "xf", "rf")
+    nodes.append(helper.make_node("MatMul", ["xf", head], ["logits"]))
     past = [helper.make_tensor_value_info(f"past.{i}.{kv}", TensorProto.FLOAT, ["batch", KV_HEADS, "past", HEAD])
             for i in range(LAYERS) for kv in ("key", "value")]  # fmt: skip
     graph = helper.make_graph(
